@@ -1,0 +1,106 @@
+"""JetStream objects Shoal uses: the work stream, one durable pull consumer per model, KV buckets.
+
+Every component calls these on start; each creates what is missing and leaves alone what
+exists, so the first component to start (normally `shoal up`) sets the stream's limits.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.kv import KeyValue
+
+from shoal.config import QueueSettings
+from shoal.protocol import (
+    MODELS_BUCKET,
+    WORK_STREAM,
+    WORK_SUBJECT_PREFIX,
+    WORKER_STATUS_TTL_S,
+    WORKERS_BUCKET,
+    consumer_name,
+    work_subject,
+)
+
+log = logging.getLogger(__name__)
+
+
+async def ensure_work_stream(js: JetStreamContext, queue: QueueSettings) -> None:
+    """The work stream: work-queue retention, bounded per model, deduplicated on request id."""
+    try:
+        await js.stream_info(WORK_STREAM)
+        return
+    except nats.js.errors.NotFoundError:
+        pass
+    config = StreamConfig(
+        name=WORK_STREAM,
+        subjects=[f"{WORK_SUBJECT_PREFIX}.>"],
+        retention=RetentionPolicy.WORK_QUEUE,
+        storage=StorageType.FILE,
+        # A full queue refuses new work (the gateway answers 429) instead of dropping old work.
+        max_msgs_per_subject=queue.max_queued_per_model,
+        discard=DiscardPolicy.NEW,
+        discard_new_per_subject=True,
+        duplicate_window=queue.duplicate_window_s,
+    )
+    try:
+        await js.add_stream(config)
+    except nats.js.errors.BadRequestError as err:
+        # Another component created it between our look and our add.
+        if err.err_code != 10058:
+            raise
+
+
+async def ensure_model_consumer(js: JetStreamContext, model: str, queue: QueueSettings) -> str:
+    """The durable pull consumer every worker serving `model` shares; returns its name."""
+    name = consumer_name(model)
+    try:
+        await js.consumer_info(WORK_STREAM, name)
+        return name
+    except nats.js.errors.NotFoundError:
+        pass
+    config = ConsumerConfig(
+        name=name,
+        durable_name=name,
+        filter_subject=work_subject(model),
+        deliver_policy=DeliverPolicy.ALL,
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=queue.ack_wait_s,
+        max_deliver=queue.max_deliver,
+        max_ack_pending=-1,
+        max_waiting=4096,
+    )
+    await js.add_consumer(WORK_STREAM, config)
+    return name
+
+
+async def ensure_models_kv(js: JetStreamContext) -> KeyValue:
+    """Deployments: model name token -> ModelSpec (JSON)."""
+    return await _ensure_kv(js, MODELS_BUCKET)
+
+
+async def ensure_workers_kv(js: JetStreamContext) -> KeyValue:
+    """Worker status reports; a dead worker's report expires on its own."""
+    return await _ensure_kv(js, WORKERS_BUCKET, ttl_s=WORKER_STATUS_TTL_S)
+
+
+async def _ensure_kv(js: JetStreamContext, bucket: str, ttl_s: float | None = None) -> KeyValue:
+    try:
+        return await js.key_value(bucket)
+    except nats.js.errors.BucketNotFoundError:
+        pass
+    try:
+        return await js.create_key_value(KeyValueConfig(bucket=bucket, history=1, ttl=ttl_s))
+    except nats.js.errors.BadRequestError:
+        return await js.key_value(bucket)

@@ -1,0 +1,56 @@
+"""Settings from flags and `SHOAL_*` environment variables (flags win)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from shoal.protocol import ModelSpec
+
+T = TypeVar("T", int, float, str)
+
+
+def env_default(name: str, fallback: T) -> T:
+    """The value of `SHOAL_<name>` converted to the fallback's type, else the fallback."""
+    raw = os.environ.get(f"SHOAL_{name}")
+    if raw is None or raw == "":
+        return fallback
+    try:
+        return type(fallback)(raw)
+    except ValueError as err:
+        raise SystemExit(f"SHOAL_{name}={raw!r} is not a valid {type(fallback).__name__}") from err
+
+
+@dataclass(frozen=True)
+class QueueSettings:
+    """Limits of the work stream and its consumers (set by whoever creates them first)."""
+
+    max_queued_per_model: int = field(default_factory=lambda: env_default("MAX_QUEUED", 10_000))
+    ack_wait_s: float = field(default_factory=lambda: env_default("ACK_WAIT", 10.0))
+    max_deliver: int = field(default_factory=lambda: env_default("MAX_DELIVER", 5))
+    duplicate_window_s: float = field(default_factory=lambda: env_default("DEDUP_WINDOW", 120.0))
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    nats_url: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 4 * 1024 * 1024
+    request_timeout_s: float = 60.0
+    retry_after_s: int = 1
+    http_server: str = "uvicorn"
+    queue: QueueSettings = field(default_factory=QueueSettings)
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    nats_url: str
+    model: ModelSpec
+    max_batch_items: int = 64
+    max_batch_tokens: int = 8192
+    poll_s: float = 1.0
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0
+    queue: QueueSettings = field(default_factory=QueueSettings)

@@ -1,0 +1,259 @@
+"""The gateway as a plain ASGI app: small enough that a framework would only add overhead.
+
+Per request it reads the body, decodes only `model` (and `stream`), publishes the body
+unchanged to the model's work subject with metadata in headers, and waits for the result on
+its process's reply subject. The result body is written out as the worker encoded it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+
+from shoal.broker.connection import connect
+from shoal.broker.jetstream import ensure_models_kv, ensure_work_stream
+from shoal.config import GatewaySettings
+from shoal.errors import ApiError
+from shoal.gateway.directory import ModelDirectory
+from shoal.gateway.replies import ReplyRouter
+from shoal.gateway.routing import estimate_tokens, read_routing_fields
+from shoal.observability.metrics import GatewayMetrics
+from shoal.protocol import (
+    Header,
+    Task,
+    encode_json,
+    now_ms,
+    reply_subject,
+    work_subject,
+)
+
+log = logging.getLogger(__name__)
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+_JSON = (b"content-type", b"application/json")
+_TEXT = (b"content-type", b"text/plain; version=0.0.4; charset=utf-8")
+_QUEUE_FULL_CODES = {10077, 10047, 10078}  # max msgs per subject / max msgs / max bytes
+
+
+class Gateway:
+    """The ASGI application. Connects to NATS on lifespan startup and keeps retrying."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.gateway_id = uuid.uuid4().hex[:12]
+        self.metrics = GatewayMetrics()
+        self.replies = ReplyRouter(reply_subject(self.gateway_id), self.metrics.dropped_replies.inc)
+        self.directory = ModelDirectory()
+        self._nc: Client | None = None
+        self._js = None
+        self._ready = asyncio.Event()
+        self._connect_task: asyncio.Task[None] | None = None
+        self._routes: dict[tuple[str, str], Callable[[Scope, Receive, Send], Awaitable[None]]] = {
+            ("POST", "/v1/embeddings"): self._embeddings,
+            ("GET", "/v1/models"): self._models,
+            ("GET", "/healthz"): self._healthz,
+            ("GET", "/readyz"): self._readyz,
+            ("GET", "/metrics"): self._metrics,
+        }
+        self._paths = {path for _, path in self._routes}
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def startup(self) -> None:
+        self._connect_task = asyncio.create_task(self._connect())
+
+    async def shutdown(self) -> None:
+        if self._connect_task is not None:
+            self._connect_task.cancel()
+        await self.directory.stop()
+        if self._nc is not None and not self._nc.is_closed:
+            await self._nc.close()
+
+    async def _connect(self) -> None:
+        while True:
+            try:
+                nc = await connect(self.settings.nats_url, name=f"shoal-gateway-{self.gateway_id}")
+                js = nc.jetstream()
+                await ensure_work_stream(js, self.settings.queue)
+                await self.replies.start(nc)
+                await self.directory.start(await ensure_models_kv(js))
+                await self.directory.loaded.wait()
+            except Exception as err:
+                log.warning("gateway cannot reach NATS at %s yet: %s", self.settings.nats_url, err)
+                await asyncio.sleep(1.0)
+                continue
+            self._nc, self._js = nc, js
+            self._ready.set()
+            return
+
+    # -- ASGI ----------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path = scope["path"]
+        handler = self._routes.get((scope["method"], path))
+        try:
+            if handler is None:
+                if path in self._paths:
+                    raise ApiError(405, f"Method {scope['method']} is not allowed on {path}")
+                raise ApiError(404, f"Unknown path {path}")
+            await handler(scope, receive, send)
+        except ApiError as err:
+            await _respond_error(send, err)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await self.startup()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # -- routes --------------------------------------------------------------------------
+
+    async def _embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = time.perf_counter()
+        model = "-"
+        status = 500
+        try:
+            body = await _read_body(receive, self.settings.max_body_bytes)
+            model = read_routing_fields(body).model
+            if self.directory.get(model) is None:
+                model_label, model = model, "-"  # unknown names must not grow the label set
+                raise ApiError(
+                    404,
+                    f"The model '{model_label}' does not exist",
+                    param="model",
+                    code="model_not_found",
+                )
+            status, payload = await self._dispatch(model, Task.EMBEDDINGS, body)
+            await _respond(send, status, payload)
+        except ApiError as err:
+            status = err.status
+            raise
+        finally:
+            self.metrics.requests.labels("embeddings", model, str(status)).inc()
+            self.metrics.latency.labels("embeddings", model).observe(time.perf_counter() - started)
+
+    async def _dispatch(self, model: str, task: Task, body: bytes) -> tuple[int, bytes]:
+        """Queue one request and wait for its result; returns (HTTP status, response body)."""
+        nc, js = self._nc, self._js
+        if nc is None or js is None or not nc.is_connected:
+            raise ApiError(503, "The queue (NATS) is not reachable", retry_after=1)
+        request_id = uuid.uuid4().hex
+        sent = now_ms()
+        timeout_s = self.settings.request_timeout_s
+        headers = {
+            Header.MSG_ID: request_id,
+            Header.REQUEST_ID: request_id,
+            Header.REPLY_TO: self.replies.subject,
+            Header.DEADLINE: str(sent + int(timeout_s * 1000)),
+            Header.SENT: str(sent),
+            Header.COST: str(estimate_tokens(body)),
+            Header.TASK: task.value,
+        }
+        future = self.replies.expect(request_id)
+        try:
+            await self._publish(js, work_subject(model), body, headers)
+            reply = await asyncio.wait_for(future, timeout_s)
+        except TimeoutError:
+            raise ApiError(504, f"No result within {timeout_s:g} s", code="timeout") from None
+        finally:
+            self.replies.forget(request_id)
+        return int(reply.headers.get(Header.STATUS, "500")), reply.data
+
+    async def _publish(self, js, subject: str, body: bytes, headers: dict[str, str]) -> None:
+        # A publish whose ack was lost is retried once; Nats-Msg-Id makes the retry a no-op
+        # if the first one was stored.
+        for attempt in range(2):
+            try:
+                await js.publish(subject, body, timeout=2.0, headers=headers)
+                return
+            except nats.js.errors.APIError as err:
+                if err.err_code in _QUEUE_FULL_CODES:
+                    raise ApiError(
+                        429,
+                        "The queue for this model is full; retry later",
+                        code="queue_full",
+                        retry_after=self.settings.retry_after_s,
+                    ) from None
+                raise ApiError(503, f"The queue refused the request: {err}") from None
+            except nats.errors.NoRespondersError:
+                raise ApiError(503, "The work stream does not exist", retry_after=1) from None
+            except (TimeoutError, nats.errors.TimeoutError):
+                if attempt == 1:
+                    raise ApiError(
+                        503, "The queue did not acknowledge in time", retry_after=1
+                    ) from None
+            except nats.errors.ConnectionClosedError:
+                raise ApiError(503, "The queue (NATS) is not reachable", retry_after=1) from None
+
+    async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        data = [
+            {"id": spec.name, "object": "model", "created": 0, "owned_by": "shoal",
+             "task": spec.task.value, "runtime": spec.runtime}
+            for spec in self.directory.all()
+        ]  # fmt: skip
+        await _respond(send, 200, encode_json({"object": "list", "data": data}))
+
+    async def _healthz(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await _respond(send, 200, b'{"status":"ok"}')
+
+    async def _readyz(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._ready.is_set() and self._nc is not None and self._nc.is_connected:
+            await _respond(send, 200, b'{"status":"ready"}')
+        else:
+            raise ApiError(503, "Not connected to the queue (NATS) yet", retry_after=1)
+
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await _respond(send, 200, self.metrics.render(), content_type=_TEXT)
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ApiError(400, "The client disconnected before sending the body")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"The request body is larger than the limit of {limit} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _respond(
+    send: Send, status: int, body: bytes, content_type: tuple[bytes, bytes] = _JSON,
+    extra_headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:  # fmt: skip
+    headers = [content_type, (b"content-length", str(len(body)).encode()), *(extra_headers or [])]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _respond_error(send: Send, err: ApiError) -> None:
+    extra = []
+    if err.retry_after is not None:
+        extra.append((b"retry-after", str(max(1, round(err.retry_after))).encode()))
+    await _respond(send, err.status, err.body(), extra_headers=extra)

@@ -1,0 +1,1 @@
+"""Metrics (Prometheus text) for the gateway and the worker."""

@@ -1,0 +1,109 @@
+"""What travels between gateway and workers: subjects, header names and wire types.
+
+Both sides import this module and nothing of each other. Request and response bodies are
+opaque bytes here: the gateway never decodes more than routing needs, the worker decodes once.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from enum import StrEnum
+from typing import Any
+
+import msgspec
+
+WORK_STREAM = "SHOAL_WORK"
+WORK_SUBJECT_PREFIX = "shoal.work"
+REPLY_SUBJECT_PREFIX = "shoal.reply"
+MODELS_BUCKET = "shoal_models"
+WORKERS_BUCKET = "shoal_workers"
+WORKER_STATUS_TTL_S = 15.0
+
+
+class Header:
+    """NATS header names on work and reply messages."""
+
+    MSG_ID = "Nats-Msg-Id"  # JetStream deduplicates a retried publish on it
+    REQUEST_ID = "Shoal-Request-Id"
+    REPLY_TO = "Shoal-Reply-To"
+    DEADLINE = "Shoal-Deadline"  # unix time in milliseconds
+    SENT = "Shoal-Sent"  # unix time in milliseconds, for queue-wait metrics
+    COST = "Shoal-Cost"  # estimated tokens
+    TASK = "Shoal-Task"
+    STATUS = "Shoal-Status"  # HTTP status of a reply
+
+
+class Task(StrEnum):
+    EMBEDDINGS = "embeddings"
+
+
+_SAFE_TOKEN_CHAR = re.compile(r"[A-Za-z0-9-]")
+_VALID_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+
+
+def is_valid_model_name(name: str) -> bool:
+    return bool(_VALID_MODEL_NAME.match(name))
+
+
+def name_token(name: str) -> str:
+    """Encode a model name as one NATS subject token, consumer name and KV key.
+
+    Model names often hold dots ("Qwen2.5-0.5B"), which separate subject tokens, so every
+    character outside [A-Za-z0-9-] becomes `_xx` (its hex code). The mapping is one to one.
+    """
+    return "".join(c if _SAFE_TOKEN_CHAR.match(c) else f"_{ord(c):02x}" for c in name)
+
+
+def work_subject(model: str) -> str:
+    return f"{WORK_SUBJECT_PREFIX}.{name_token(model)}"
+
+
+def consumer_name(model: str) -> str:
+    return f"work-{name_token(model)}"
+
+
+def reply_subject(gateway_id: str) -> str:
+    return f"{REPLY_SUBJECT_PREFIX}.{gateway_id}"
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """A deployment: the name clients use, and how a worker loads and runs it."""
+
+    name: str
+    runtime: str
+    task: Task = Task.EMBEDDINGS
+    source: str = ""
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class WorkerState(StrEnum):
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+
+
+class WorkerStatus(msgspec.Struct, kw_only=True):
+    """What a worker reports about itself in the workers KV bucket, about once a second."""
+
+    worker_id: str
+    model: str
+    runtime: str
+    simulated: bool
+    pid: int
+    state: WorkerState
+    metrics_url: str = ""
+    items_done: int = 0
+    batches: int = 0
+    max_batch_items: int = 0
+    busy_fraction: float = 0.0
+    updated_ms: int = 0
+
+
+encode_json = msgspec.json.Encoder().encode
+decode_model_spec = msgspec.json.Decoder(ModelSpec).decode
+decode_worker_status = msgspec.json.Decoder(WorkerStatus).decode

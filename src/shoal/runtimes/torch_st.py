@@ -1,0 +1,67 @@
+"""`torch`: sentence-transformers models on PyTorch, loaded from a local path or a package."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shoal.runtimes.base import EmbedOutput
+
+
+def resolve_source(source: str) -> Path:
+    """A model directory from `package:NAME` (a package that ships weights) or a path.
+
+    Weights never come from a hub at run time: a package must expose `get_model_path()`.
+    """
+    if source.startswith("package:"):
+        module = importlib.import_module(source.removeprefix("package:"))
+        return Path(module.get_model_path())
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model source {source!r} does not exist")
+    return path
+
+
+class TorchEmbeddingRuntime:
+    """A sentence-transformers model, run batch by batch without the hub."""
+
+    simulated = False
+
+    def __init__(self, name: str, source: str, options: dict[str, Any]) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        import torch
+        from sentence_transformers import SentenceTransformer
+
+        threads = int(options.get("threads") or os.environ.get("SHOAL_THREADS") or 0)
+        if threads > 0:
+            torch.set_num_threads(threads)
+        self._torch = torch
+        self.name = name
+        self.device = str(options.get("device", "cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = SentenceTransformer(str(resolve_source(source)), device=self.device)
+        self.model.eval()
+        self.dimensions = int(self.model.get_sentence_embedding_dimension() or 0)
+
+    def embed(self, texts: list[str]) -> EmbedOutput:
+        # Tokenize once: the attention mask gives usage counts and feeds the forward pass.
+        # Sorting by length, as sentence-transformers' encode does, keeps padding small.
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]), reverse=True)
+        features = self.model.tokenize([texts[i] for i in order])
+        counts_sorted = features["attention_mask"].sum(dim=1).tolist()
+        features = {k: v.to(self.device) for k, v in features.items()}
+        with self._torch.inference_mode():
+            sorted_vectors = self.model(features)["sentence_embedding"].float().cpu().numpy()
+        vectors = np.empty_like(sorted_vectors)
+        token_counts = [0] * len(texts)
+        for position, original in enumerate(order):
+            vectors[original] = sorted_vectors[position]
+            token_counts[original] = int(counts_sorted[position])
+        return EmbedOutput(vectors, token_counts)
+
+    def close(self) -> None:
+        del self.model

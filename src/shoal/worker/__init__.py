@@ -1,0 +1,1 @@
+"""The worker sidecar: pulls work for one model, forms batches, runs them on a runtime."""

@@ -1,0 +1,55 @@
+"""Work items as the worker sees them, and forming a batch from what it has pulled."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from nats.aio.msg import Msg
+
+from shoal.protocol import Header
+
+
+@dataclass(slots=True)
+class WorkItem:
+    """One queued request: its routing metadata from the headers and its opaque body."""
+
+    msg: Msg
+    request_id: str
+    reply_to: str
+    deadline_ms: int
+    sent_ms: int
+    cost: int
+
+    @classmethod
+    def from_msg(cls, msg: Msg) -> WorkItem:
+        headers = msg.headers or {}
+        return cls(
+            msg=msg,
+            request_id=headers.get(Header.REQUEST_ID, ""),
+            reply_to=headers.get(Header.REPLY_TO, ""),
+            deadline_ms=int(headers.get(Header.DEADLINE) or 0),
+            sent_ms=int(headers.get(Header.SENT) or 0),
+            cost=max(1, int(headers.get(Header.COST) or 1)),
+        )
+
+    @property
+    def body(self) -> bytes:
+        return self.msg.data
+
+
+def take_batch(pending: deque[WorkItem], max_items: int, max_tokens: int) -> list[WorkItem]:
+    """Take items from the front of `pending` while they fit the item and token budgets.
+
+    The first item is always taken, even when it alone exceeds the token budget, so that a
+    large request is run on its own instead of waiting forever. Order is kept (FIFO).
+    """
+    batch: list[WorkItem] = []
+    tokens = 0
+    while pending and len(batch) < max_items:
+        cost = pending[0].cost
+        if batch and tokens + cost > max_tokens:
+            break
+        batch.append(pending.popleft())
+        tokens += cost
+    return batch
