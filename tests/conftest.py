@@ -15,19 +15,16 @@ from pathlib import Path
 
 import httpx
 import pytest
-from nats.js.api import ConsumerInfo
 
 from shoal.broker.connection import connect
 from shoal.broker.embedded import EmbeddedNats
-from shoal.observability.fleet import read_worker_statuses
 from shoal.broker.jetstream import ensure_models_kv, ensure_work_stream
 from shoal.config import QueueSettings
+from shoal.observability.fleet import read_worker_statuses
 from shoal.protocol import (
-    WORK_STREAM,
     ModelSpec,
     WorkerState,
     WorkerStatus,
-    consumer_name,
     encode_json,
     name_token,
 )
@@ -77,8 +74,12 @@ class Launcher:
 
     def __init__(self, tmp_path: Path, env: dict[str, str] | None = None) -> None:
         self.tmp_path = tmp_path
-        self.env = {**os.environ, **TEST_ENV, "SHOAL_STATE_DIR": str(tmp_path / "state"),
-                    **(env or {})}  # fmt: skip
+        self.env = {
+            **os.environ,
+            **TEST_ENV,
+            "SHOAL_STATE_DIR": str(tmp_path / "state"),
+            **(env or {}),
+        }
         self.processes: list[ShoalProcess] = []
 
     def spawn(self, *args: str, env: dict[str, str] | None = None) -> ShoalProcess:
@@ -105,7 +106,9 @@ class Launcher:
 
     def worker(self, nats_url: str, model: str, *args: str, timeout: float = 120) -> ShoalProcess:
         process = self.spawn("worker", "--nats", nats_url, "--model", model, *args)
-        wait_until(lambda: worker_status(nats_url, process.pid, WorkerState.READY), timeout, process)
+        wait_until(
+            lambda: worker_status(nats_url, process.pid, WorkerState.READY), timeout, process
+        )
         return process
 
     def stop_all(self) -> None:
@@ -149,17 +152,6 @@ def worker_status(nats_url: str, pid: int, state: WorkerState | None = None) -> 
         if status.pid == pid and (state is None or status.state == state):
             return status
     return None
-
-
-def consumer_info(nats_url: str, model: str) -> ConsumerInfo:
-    async def read() -> ConsumerInfo:
-        nc = await connect(nats_url, name="test")
-        try:
-            return await nc.jetstream().consumer_info(WORK_STREAM, consumer_name(model))
-        finally:
-            await nc.close()
-
-    return asyncio.run(read())
 
 
 def deploy_without_workers(

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+
 import httpx
 import pytest
-
 from conftest import deploy_without_workers, free_port, wait_until, worker_status
+
 from shoal.broker.embedded import EmbeddedNats
 from shoal.config import QueueSettings
 from shoal.protocol import ModelSpec
@@ -26,8 +27,16 @@ def assert_openai_error(response: httpx.Response, status: int) -> dict:
 @pytest.fixture(scope="module")
 def sim_model(nats_server, session_launcher) -> str:
     model = "sim-errors"
-    session_launcher.worker(nats_server.url, model, "--runtime", "sim",
-                            "--option", "batch_ms=30", "--max-batch-items", "32")  # fmt: skip
+    session_launcher.worker(
+        nats_server.url,
+        model,
+        "--runtime",
+        "sim",
+        "--option",
+        "batch_ms=30",
+        "--max-batch-items",
+        "32",
+    )
     return model
 
 
@@ -94,9 +103,11 @@ def test_bad_item_does_not_fail_its_batch(nats_server, gateway_url, sim_model):
         assert "input[1]" in assert_openai_error(response, 400)["message"]
     # The good and bad items were in shared batches, not each alone.
     after = wait_until(
-        lambda: (s := worker_status(nats_server.url, before.pid))
-        and s.items_done >= before.items_done + 32
-        and s,
+        lambda: (
+            (s := worker_status(nats_server.url, before.pid))
+            and s.items_done >= before.items_done + 32
+            and s
+        ),
         10,
     )
     assert after.max_batch_items > 1
@@ -130,9 +141,11 @@ def test_full_queue_is_429_then_deadlines_are_504(tmp_path, launcher):
         async def flood() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=url, timeout=30) as client:
                 body = {"model": model, "input": "waiting"}
-                return list(await asyncio.gather(
-                    *(client.post("/v1/embeddings", json=body) for _ in range(8))
-                ))  # fmt: skip
+                return list(
+                    await asyncio.gather(
+                        *(client.post("/v1/embeddings", json=body) for _ in range(8))
+                    )
+                )
 
         responses = asyncio.run(flood())
         statuses = sorted(r.status_code for r in responses)
@@ -144,11 +157,14 @@ def test_full_queue_is_429_then_deadlines_are_504(tmp_path, launcher):
                 assert error["type"] == "rate_limit_error"
 
         worker = launcher.worker(nats.url, model, "--runtime", "sim")
-        status = wait_until(lambda: (s := worker_status(nats.url, worker.pid)) and
-                            s.items_done == 3 and s, 10)  # fmt: skip
+        status = wait_until(
+            lambda: (s := worker_status(nats.url, worker.pid)) and s.items_done == 3 and s, 10
+        )
         assert status.batches == 0  # expired items were answered without compute
         metrics = httpx.get(status.metrics_url).text
-        assert 'shoal_worker_items_total{model="sim-nobody",runtime="sim",status="504"} 3.0' in metrics
+        assert (
+            'shoal_worker_items_total{model="sim-nobody",runtime="sim",status="504"} 3.0' in metrics
+        )
         launcher.stop_all()
 
 

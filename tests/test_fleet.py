@@ -9,8 +9,8 @@ import time
 
 import httpx
 import numpy as np
+from conftest import wait_until, worker_status, worker_statuses
 
-from conftest import consumer_info, wait_until, worker_status, worker_statuses
 from shoal.runtimes.sim import pseudo_embedding
 
 
@@ -18,7 +18,9 @@ def _vector(item: dict) -> np.ndarray:
     return np.frombuffer(base64.b64decode(item["embedding"]), dtype="<f4")
 
 
-async def _send_all(url: str, model: str, texts: list[str], concurrency: int) -> list[httpx.Response]:
+async def _send_all(
+    url: str, model: str, texts: list[str], concurrency: int
+) -> list[httpx.Response]:
     semaphore = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
 
@@ -40,8 +42,16 @@ def _assert_all_correct(responses: list[httpx.Response], texts: list[str]) -> No
 def test_two_workers_share_one_model(nats_server, session_launcher, gateway_url):
     model = "sim-shared"
     workers = [
-        session_launcher.worker(nats_server.url, model, "--runtime", "sim",
-                                "--option", "batch_ms=10", "--max-batch-items", "8")  # fmt: skip
+        session_launcher.worker(
+            nats_server.url,
+            model,
+            "--runtime",
+            "sim",
+            "--option",
+            "batch_ms=10",
+            "--max-batch-items",
+            "8",
+        )
         for _ in range(2)
     ]
     texts = [f"shared sentence {i}" for i in range(240)]
@@ -80,14 +90,23 @@ def test_sigkill_mid_load_loses_nothing(nats_server, session_launcher, gateway_u
     assert victim.process.wait(5) == -signal.SIGKILL
     _assert_all_correct(responses, texts)
     # The victim held unacked work when it died: JetStream redelivered it to the survivor.
-    assert consumer_info(nats_server.url, model).num_redelivered > 0
+    redelivered = wait_until(lambda: worker_status(nats_server.url, survivor.pid).redelivered, 5)
+    assert redelivered > 0
     assert survivor.stop() == 0
 
 
 def test_sigterm_drains_held_work(nats_server, session_launcher, gateway_url):
     model = "sim-drain"
-    worker = session_launcher.worker(nats_server.url, model, "--runtime", "sim",
-                                     "--option", "batch_ms=200", "--max-batch-items", "4")  # fmt: skip
+    worker = session_launcher.worker(
+        nats_server.url,
+        model,
+        "--runtime",
+        "sim",
+        "--option",
+        "batch_ms=200",
+        "--max-batch-items",
+        "4",
+    )
     texts = [f"drain test {i}" for i in range(8)]
 
     async def load_and_stop() -> list[httpx.Response]:

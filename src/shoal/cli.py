@@ -50,26 +50,40 @@ def _add_model(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--runtime", default=None, help="runtime: torch or sim (simulated)")
     parser.add_argument("--source", default=None, help="model path or package:NAME")
-    parser.add_argument("--option", action="append", type=_parse_option, default=[],
-                        metavar="KEY=VALUE", help="runtime option, repeatable")  # fmt: skip
+    parser.add_argument(
+        "--option",
+        action="append",
+        type=_parse_option,
+        default=[],
+        metavar="KEY=VALUE",
+        help="runtime option, repeatable",
+    )
 
 
 def _add_batching(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-batch-items", type=int,
-                        default=env_default("MAX_BATCH_ITEMS", 64))  # fmt: skip
-    parser.add_argument("--max-batch-tokens", type=int,
-                        default=env_default("MAX_BATCH_TOKENS", 8192))  # fmt: skip
+    parser.add_argument("--max-batch-items", type=int, default=env_default("MAX_BATCH_ITEMS", 64))
+    parser.add_argument(
+        "--max-batch-tokens", type=int, default=env_default("MAX_BATCH_TOKENS", 8192)
+    )
 
 
 def _add_gateway(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=env_default("HOST", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=env_default("PORT", 8000))
-    parser.add_argument("--request-timeout", type=float,
-                        default=env_default("REQUEST_TIMEOUT", 60.0), help="seconds")  # fmt: skip
-    parser.add_argument("--max-body-bytes", type=int,
-                        default=env_default("MAX_BODY_BYTES", 4 * 1024 * 1024))  # fmt: skip
-    parser.add_argument("--http-server", choices=("uvicorn", "granian"),
-                        default=env_default("HTTP_SERVER", "uvicorn"))  # fmt: skip
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=env_default("REQUEST_TIMEOUT", 60.0),
+        help="seconds",
+    )
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=env_default("MAX_BODY_BYTES", 4 * 1024 * 1024)
+    )
+    parser.add_argument(
+        "--http-server",
+        choices=("uvicorn", "granian"),
+        default=env_default("HTTP_SERVER", "uvicorn"),
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,8 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(worker)
     _add_batching(worker)
     worker.add_argument("--model-json", default=None, help=argparse.SUPPRESS)
-    worker.add_argument("--metrics-port", type=int, default=env_default("METRICS_PORT", 0),
-                        help="port of the worker's /metrics (0: a free port)")  # fmt: skip
+    worker.add_argument(
+        "--metrics-port",
+        type=int,
+        default=env_default("METRICS_PORT", 0),
+        help="port of the worker's /metrics (0: a free port)",
+    )
 
     nats_cmd = commands.add_parser("nats", help="the embedded nats-server alone")
     nats_cmd.add_argument("--port", type=int, default=env_default("NATS_PORT", -1))
@@ -123,8 +141,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = build_parser().parse_args(argv)
     handler = {
-        "up": _up, "gateway": _gateway, "worker": _worker, "nats": _nats, "status": _status,
-    }[args.command]  # fmt: skip
+        "up": _up,
+        "gateway": _gateway,
+        "worker": _worker,
+        "nats": _nats,
+        "status": _status,
+    }[args.command]
     sys.exit(handler(args) or 0)
 
 
@@ -132,10 +154,20 @@ def _up(args: argparse.Namespace) -> int:
     from shoal.supervisor import Supervisor, UpOptions
 
     nats_url = args.nats or os.environ.get("SHOAL_NATS") or None
-    batching = ["--max-batch-items", str(args.max_batch_items),
-                "--max-batch-tokens", str(args.max_batch_tokens)]  # fmt: skip
-    gateway = ["--request-timeout", str(args.request_timeout),
-               "--max-body-bytes", str(args.max_body_bytes), "--http-server", args.http_server]  # fmt: skip
+    batching = [
+        "--max-batch-items",
+        str(args.max_batch_items),
+        "--max-batch-tokens",
+        str(args.max_batch_tokens),
+    ]
+    gateway = [
+        "--request-timeout",
+        str(args.request_timeout),
+        "--max-body-bytes",
+        str(args.max_body_bytes),
+        "--http-server",
+        args.http_server,
+    ]
     options = UpOptions(
         model=_model_spec(args),
         host=args.host,
@@ -212,12 +244,16 @@ def _status(args: argparse.Namespace) -> int:
         nc = await connect(resolve_nats_url(args.nats), name="shoal-status")
         statuses = await read_worker_statuses(nc.jetstream())
         await nc.close()
-        print(f"{'WORKER':<36} {'MODEL':<22} {'RUNTIME':<12} {'STATE':<9} "
-              f"{'ITEMS':>8} {'MAXBATCH':>8} {'BUSY':>6}")  # fmt: skip
+        print(
+            f"{'WORKER':<36} {'MODEL':<22} {'RUNTIME':<12} {'STATE':<9} "
+            f"{'ITEMS':>8} {'MAXBATCH':>8} {'BUSY':>6}"
+        )
         for s in statuses:
             runtime = f"{s.runtime} (sim)" if s.simulated else s.runtime
-            print(f"{s.worker_id:<36} {s.model:<22} {runtime:<12} {s.state.value:<9} "
-                  f"{s.items_done:>8} {s.max_batch_items:>8} {s.busy_fraction:>6.0%}")  # fmt: skip
+            print(
+                f"{s.worker_id:<36} {s.model:<22} {runtime:<12} {s.state.value:<9} "
+                f"{s.items_done:>8} {s.max_batch_items:>8} {s.busy_fraction:>6.0%}"
+            )
 
     asyncio.run(show())
     return 0

@@ -98,6 +98,7 @@ class WorkerStatus(msgspec.Struct, kw_only=True):
     state: WorkerState
     metrics_url: str = ""
     items_done: int = 0
+    redelivered: int = 0  # items this worker got after another delivery was not acked
     batches: int = 0
     max_batch_items: int = 0
     busy_fraction: float = 0.0

@@ -127,8 +127,9 @@ class Supervisor:
         # Several workers on one machine share its cores instead of each taking all of them.
         threads = max(1, (os.cpu_count() or 1) // self.options.workers)
         env = {"SHOAL_THREADS": os.environ.get("SHOAL_THREADS", str(threads))}
-        return self._spawn(["worker", "--model-json", encode_json(spec).decode(),
-                            *self.options.worker_args], env)  # fmt: skip
+        return self._spawn(
+            ["worker", "--model-json", encode_json(spec).decode(), *self.options.worker_args], env
+        )
 
     def _spawn(self, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         return subprocess.Popen(

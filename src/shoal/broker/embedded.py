@@ -47,11 +47,15 @@ class EmbeddedNats:
         command = [
             find_nats_server(),
             "-js",
-            "-a", self.host,
-            "-p", str(self.port),
-            "-sd", str(self.store_dir),
-            "--ports_file_dir", str(self._ports_dir),
-        ]  # fmt: skip
+            "-a",
+            self.host,
+            "-p",
+            str(self.port),
+            "-sd",
+            str(self.store_dir),
+            "--ports_file_dir",
+            str(self._ports_dir),
+        ]
         self._process = subprocess.Popen(
             command,
             stdout=subprocess.DEVNULL,

@@ -8,6 +8,7 @@ one pull request is outstanding at a time, and the caller decides how many to as
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Callable
 
@@ -53,11 +54,9 @@ class Puller:
         self._request_done.clear()
         request = {"batch": batch, "expires": int(expires_s * 1e9)}
         await self._nc.publish(self._next_subject, json.dumps(request).encode(), self._inbox)
-        try:
-            # The grace covers a status lost to a reconnect: then a new request is sent.
+        # The grace covers a status lost to a reconnect: then a new request is sent.
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._request_done.wait(), expires_s + 1.0)
-        except TimeoutError:
-            pass
 
     async def _on_inbox(self, msg: Msg) -> None:
         status = msg.headers.get(_STATUS) if msg.headers else None

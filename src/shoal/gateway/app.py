@@ -208,10 +208,16 @@ class Gateway:
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
         data = [
-            {"id": spec.name, "object": "model", "created": 0, "owned_by": "shoal",
-             "task": spec.task.value, "runtime": spec.runtime}
+            {
+                "id": spec.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "shoal",
+                "task": spec.task.value,
+                "runtime": spec.runtime,
+            }
             for spec in self.directory.all()
-        ]  # fmt: skip
+        ]
         await _respond(send, 200, encode_json({"object": "list", "data": data}))
 
     async def _healthz(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -244,9 +250,12 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
 
 
 async def _respond(
-    send: Send, status: int, body: bytes, content_type: tuple[bytes, bytes] = _JSON,
+    send: Send,
+    status: int,
+    body: bytes,
+    content_type: tuple[bytes, bytes] = _JSON,
     extra_headers: list[tuple[bytes, bytes]] | None = None,
-) -> None:  # fmt: skip
+) -> None:
     headers = [content_type, (b"content-length", str(len(body)).encode()), *(extra_headers or [])]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

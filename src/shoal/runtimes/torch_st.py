@@ -36,11 +36,13 @@ class TorchEmbeddingRuntime:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         import torch
         from sentence_transformers import SentenceTransformer
+        from sentence_transformers.util import batch_to_device
 
         threads = int(options.get("threads") or os.environ.get("SHOAL_THREADS") or 0)
         if threads > 0:
             torch.set_num_threads(threads)
         self._torch = torch
+        self._batch_to_device = batch_to_device
         self.name = name
         self.device = str(options.get("device", "cuda" if torch.cuda.is_available() else "cpu"))
         self.model = SentenceTransformer(str(resolve_source(source)), device=self.device)
@@ -51,9 +53,9 @@ class TorchEmbeddingRuntime:
         # Tokenize once: the attention mask gives usage counts and feeds the forward pass.
         # Sorting by length, as sentence-transformers' encode does, keeps padding small.
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]), reverse=True)
-        features = self.model.tokenize([texts[i] for i in order])
+        features = self.model.preprocess([texts[i] for i in order])
         counts_sorted = features["attention_mask"].sum(dim=1).tolist()
-        features = {k: v.to(self.device) for k, v in features.items()}
+        features = self._batch_to_device(features, self.device)
         with self._torch.inference_mode():
             sorted_vectors = self.model(features)["sentence_embedding"].float().cpu().numpy()
         vectors = np.empty_like(sorted_vectors)

@@ -20,6 +20,7 @@ class WorkItem:
     deadline_ms: int
     sent_ms: int
     cost: int
+    deliveries: int = 1
 
     @classmethod
     def from_msg(cls, msg: Msg) -> WorkItem:
@@ -31,6 +32,7 @@ class WorkItem:
             deadline_ms=int(headers.get(Header.DEADLINE) or 0),
             sent_ms=int(headers.get(Header.SENT) or 0),
             cost=max(1, int(headers.get(Header.COST) or 1)),
+            deliveries=msg.metadata.num_delivered or 1,
         )
 
     @property

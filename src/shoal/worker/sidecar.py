@@ -81,6 +81,7 @@ class WorkerSidecar:
         self._metrics = WorkerMetrics(self.spec.name, self.spec.runtime, self._simulated)
         self._metrics_url = ""
         self._items_done = 0
+        self._redelivered = 0
         self._batches = 0
         self._max_batch_items = 0
 
@@ -201,6 +202,7 @@ class WorkerSidecar:
                 await item.msg.ack()
         self._running = []
         self._items_done += len(batch)
+        self._redelivered += sum(1 for item in batch if item.deliveries > 1)
 
     async def _reply(self, nc: Client, item: WorkItem, reply: Reply) -> None:
         self._metrics.count_item(reply.status)
@@ -232,6 +234,7 @@ class WorkerSidecar:
                 state=self._state,
                 metrics_url=self._metrics_url,
                 items_done=self._items_done,
+                redelivered=self._redelivered,
                 batches=self._batches,
                 max_batch_items=self._max_batch_items,
                 busy_fraction=round(busy, 4),

@@ -1,0 +1,139 @@
+"""Unit tests where the unit is the point: pure functions and small classes."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import msgspec
+import numpy as np
+import pytest
+
+from shoal.catalog import resolve_model
+from shoal.errors import ApiError
+from shoal.observability.metrics import BusyMeter
+from shoal.protocol import is_valid_model_name, name_token, work_subject
+from shoal.runtimes.base import EmbedOutput
+from shoal.runtimes.sim import SimEmbeddingRuntime, pseudo_embedding
+from shoal.worker.batching import WorkItem, take_batch
+from shoal.worker.embeddings import EmbeddingsHandler
+
+
+@pytest.mark.parametrize(
+    "name", ["all-MiniLM-L6-v2", "Qwen2.5-0.5B", "org/model:v1", "a_b", "a_5fb"]
+)
+def test_name_token_is_a_safe_one_to_one_subject_token(name):
+    token = name_token(name)
+    assert all(c.isalnum() or c in "-_" for c in token)
+    assert work_subject(name).count(".") == 2
+    others = ["all-MiniLM-L6-v2", "Qwen2.5-0.5B", "org/model:v1", "a_b", "a_5fb", "a.b"]
+    assert [o for o in others if name_token(o) == token] == [name]
+
+
+def test_model_names_are_validated():
+    assert is_valid_model_name("gemma-3-270m")
+    assert not is_valid_model_name("has space")
+    assert not is_valid_model_name("wild*card")
+    assert not is_valid_model_name("")
+
+
+def _item(cost: int) -> WorkItem:
+    return WorkItem(msg=None, request_id="r", reply_to="x", deadline_ms=0, sent_ms=0, cost=cost)  # type: ignore[arg-type]
+
+
+def test_take_batch_respects_item_and_token_budgets():
+    pending = deque(_item(c) for c in [10, 10, 10, 10, 10])
+    assert len(take_batch(pending, max_items=3, max_tokens=1000)) == 3
+    assert len(take_batch(pending, max_items=10, max_tokens=15)) == 1
+    assert len(pending) == 1
+
+
+def test_take_batch_runs_an_oversized_item_alone():
+    pending = deque([_item(5000), _item(1)])
+    batch = take_batch(pending, max_items=10, max_tokens=100)
+    assert [i.cost for i in batch] == [5000]
+    assert [i.cost for i in pending] == [1]
+
+
+def test_busy_meter_measures_the_share_of_the_window():
+    now = [100.0]
+    meter = BusyMeter(window_s=10, clock=lambda: now[0])
+    now[0] = 110.0
+    meter.start()
+    now[0] = 112.5
+    assert meter.stop() == pytest.approx(2.5)
+    assert meter.fraction() == pytest.approx(0.25)
+    meter.start()
+    now[0] = 117.5  # 5 s more, still running
+    assert meter.fraction() == pytest.approx(0.75)  # window 107.5-117.5: 2.5 + 5 of 10 s
+    now[0] = 130.0
+    meter.stop()
+    assert meter.fraction() == pytest.approx(1.0)
+
+
+def test_sim_runtime_follows_its_cost_model_and_is_deterministic():
+    runtime = SimEmbeddingRuntime("s", {"batch_ms": 30, "token_us": 1000, "dimensions": 16})
+    started = time.perf_counter()
+    output = runtime.embed(["abcd", "abcdefgh"])  # 3 + 4 tokens
+    elapsed = time.perf_counter() - started
+    assert output.token_counts == [3, 4]
+    assert elapsed >= 0.030 + 0.007
+    assert runtime.batch_cost_seconds([3, 4]) == pytest.approx(0.037)
+    np.testing.assert_array_equal(output.vectors[0], pseudo_embedding("abcd", 16))
+    assert np.linalg.norm(output.vectors[1]) == pytest.approx(1.0, abs=1e-6)
+
+
+class _RuntimeThatRejectsPoison:
+    """A runtime whose model cannot take one particular text (as a real one may fail)."""
+
+    simulated = True
+    dimensions = 4
+    name = "poison"
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+
+    def embed(self, texts: list[str]) -> EmbedOutput:
+        self.calls.append(texts)
+        if "poison" in texts:
+            raise ValueError("cannot embed poison")
+        return EmbedOutput(np.ones((len(texts), 4), dtype=np.float32), [1] * len(texts))
+
+    def close(self) -> None:
+        pass
+
+
+def _body(value: object) -> bytes:
+    return msgspec.json.encode({"model": "m", "input": value})
+
+
+def test_handler_isolates_a_failing_item_and_invalid_items():
+    runtime = _RuntimeThatRejectsPoison()
+    outcome = EmbeddingsHandler(runtime, "m").handle(
+        [_body("good"), _body("poison"), _body(["a", "b"]), b"{bad json", _body(3)]
+    )
+    assert [r.status for r in outcome.replies] == [200, 400, 200, 400, 400]
+    assert runtime.calls[0] == ["good", "poison", "a", "b"]  # one batch first
+    good = msgspec.json.decode(outcome.replies[2].body)
+    assert [d["index"] for d in good["data"]] == [0, 1]
+    assert good["usage"] == {"prompt_tokens": 2, "total_tokens": 2}
+    assert "poison" in msgspec.json.decode(outcome.replies[1].body)["error"]["message"]
+
+
+def test_api_error_body_is_openai_shaped():
+    body = msgspec.json.decode(ApiError(429, "slow down", code="queue_full").body())
+    assert body == {
+        "error": {
+            "message": "slow down",
+            "type": "rate_limit_error",
+            "param": None,
+            "code": "queue_full",
+        }
+    }
+
+
+def test_resolve_model_needs_a_runtime_for_unknown_names():
+    with pytest.raises(ValueError, match="give --runtime"):
+        resolve_model("my-model")
+    spec = resolve_model("sim-embed", options={"batch_ms": 7})
+    assert spec.runtime == "sim" and spec.options["batch_ms"] == 7
