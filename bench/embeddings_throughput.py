@@ -2,7 +2,7 @@
 
 Same machine, same run, same sentences. The physical limit is the model in-process at its best
 batch size (from a sweep). The cluster is `shoal up` with the default model; the load is many
-single-sentence requests from wrk (64 connections, closed loop). The two alternate for a few
+single-sentence requests from wrk (256 connections, closed loop). The two alternate for a few
 rounds, because this machine is shared and noisy, and the medians are compared.
 
     python -m bench.embeddings_throughput [--seconds 15] [--rounds 3] [--threads 2]
@@ -55,6 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seconds", type=float, default=15, help="per measurement")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--connections", type=int, default=256)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument(
         "--client", choices=("wrk", "python"), default="wrk" if wrk_available() else "python"
@@ -69,13 +70,16 @@ def main() -> None:
     in_process: list[float] = []
     cluster: list[dict] = []
     with UpCluster(env={"SHOAL_THREADS": str(args.threads)}) as up:
-        run_load(up.url, MODEL, 64, 5, args.client)  # warm up
+        run_load(up.url, MODEL, args.connections, 5, args.client)  # warm up
         for _ in range(args.rounds):
             in_process.append(model.rate(best_batch, args.seconds))
             before, started = up.component_cpu_seconds(), time.monotonic()
-            load = run_load(up.url, MODEL, 64, args.seconds, args.client)
+            items_before, batches_before = up.batch_totals()
+            load = run_load(up.url, MODEL, args.connections, args.seconds, args.client)
             cores = cpu_share(before, up.component_cpu_seconds(), time.monotonic() - started)
-            cluster.append({"load": load, "cores_used": cores})
+            items, batches = up.batch_totals()
+            mean_batch = (items - items_before) / max(1.0, batches - batches_before)
+            cluster.append({"load": load, "cores_used": cores, "mean_batch": mean_batch})
     limit = statistics.median(in_process)
     through = statistics.median(run["load"].rps for run in cluster)
     ratio = through / limit
@@ -88,7 +92,8 @@ def main() -> None:
         load = run["load"]
         print(
             f"in-process batch {best_batch}: {rate:6.1f}/s | cluster: {load.rps:6.1f} req/s "
-            f"(errors {load.errors}, p50 {load.p50_ms:.0f} ms, p99 {load.p99_ms:.0f} ms, "
+            f"(mean batch {run['mean_batch']:.0f}, errors {load.errors}, "
+            f"p50 {load.p50_ms:.0f} ms, p99 {load.p99_ms:.0f} ms, "
             f"cores {run['cores_used']}, client cpu {load.client_cpu_s:.1f} s)"
         )
     print(f"median ratio cluster / in-process best: {ratio:.3f}")
@@ -99,6 +104,7 @@ def main() -> None:
             "client": args.client,
             "threads": args.threads,
             "seconds_per_measurement": args.seconds,
+            "connections": args.connections,
             "in_process_sweep": sweep,
             "best_batch": best_batch,
             "in_process": in_process,

@@ -64,6 +64,29 @@ class UpCluster:
         self.process.wait(60)
         shutil.rmtree(self.state_dir, ignore_errors=True)
 
+    def batch_totals(self) -> tuple[float, float]:
+        """(items, batches) run so far by all workers, from their /metrics."""
+        import httpx
+
+        from shoal.broker.connection import connect
+        from shoal.observability.fleet import read_worker_statuses
+
+        nats_url = json.loads((Path(self.state_dir) / "cluster.json").read_text())["nats_url"]
+
+        async def statuses():
+            nc = await connect(nats_url, name="bench")
+            try:
+                return await read_worker_statuses(nc.jetstream())
+            finally:
+                await nc.close()
+
+        items = batches = 0.0
+        for status in asyncio.run(statuses()):
+            text = httpx.get(status.metrics_url, timeout=5).text
+            items += _metric(text, "shoal_worker_batch_items_sum")
+            batches += _metric(text, "shoal_worker_batch_items_count")
+        return items, batches
+
     def component_cpu_seconds(self) -> dict[str, float]:
         """CPU time so far of each part of the cluster: nats, gateway, workers, supervisor."""
         assert self.process is not None
@@ -138,6 +161,11 @@ def run_wrk(url: str, model: str, connections: int, seconds: float) -> LoadResul
         p99_ms=_wrk_ms(re.search(r"\s99%\s+([\d.]+\w+)", output).group(1)),
         client_cpu_s=_self_children_cpu() - started,
     )
+
+
+def _metric(text: str, name: str) -> float:
+    match = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
 
 
 def _wrk_errors(output: str) -> int:

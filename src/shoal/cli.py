@@ -61,28 +61,36 @@ def _add_model(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_batching(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-batch-items", type=int, default=env_default("MAX_BATCH_ITEMS", 64))
     parser.add_argument(
-        "--max-batch-tokens", type=int, default=env_default("MAX_BATCH_TOKENS", 8192)
+        "--max-batch-items",
+        type=int,
+        default=env_default("MAX_BATCH_ITEMS", WorkerSettings.max_batch_items),
+    )
+    parser.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=env_default("MAX_BATCH_TOKENS", WorkerSettings.max_batch_tokens),
     )
 
 
 def _add_gateway(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default=env_default("HOST", "127.0.0.1"))
-    parser.add_argument("--port", type=int, default=env_default("PORT", 8000))
+    parser.add_argument("--host", default=env_default("HOST", GatewaySettings.host))
+    parser.add_argument("--port", type=int, default=env_default("PORT", GatewaySettings.port))
     parser.add_argument(
         "--request-timeout",
         type=float,
-        default=env_default("REQUEST_TIMEOUT", 60.0),
+        default=env_default("REQUEST_TIMEOUT", GatewaySettings.request_timeout_s),
         help="seconds",
     )
     parser.add_argument(
-        "--max-body-bytes", type=int, default=env_default("MAX_BODY_BYTES", 4 * 1024 * 1024)
+        "--max-body-bytes",
+        type=int,
+        default=env_default("MAX_BODY_BYTES", GatewaySettings.max_body_bytes),
     )
     parser.add_argument(
         "--http-server",
         choices=("uvicorn", "granian"),
-        default=env_default("HTTP_SERVER", "uvicorn"),
+        default=env_default("HTTP_SERVER", GatewaySettings.http_server),
     )
 
 
@@ -109,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument(
         "--metrics-port",
         type=int,
-        default=env_default("METRICS_PORT", 0),
+        default=env_default("METRICS_PORT", WorkerSettings.metrics_port),
         help="port of the worker's /metrics (0: a free port)",
     )
 

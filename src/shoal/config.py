@@ -48,7 +48,7 @@ class GatewaySettings:
 class WorkerSettings:
     nats_url: str
     model: ModelSpec
-    max_batch_items: int = 64
+    max_batch_items: int = 128
     max_batch_tokens: int = 8192
     poll_s: float = 1.0
     metrics_host: str = "127.0.0.1"
