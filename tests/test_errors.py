@@ -185,7 +185,6 @@ def test_gateway_without_nats_starts_and_answers_503(launcher):
     _, url = launcher.gateway(f"nats://127.0.0.1:{free_port()}", ready=False)
     assert_openai_error(httpx.get(f"{url}/readyz"), 503)
     response = httpx.post(f"{url}/v1/embeddings", json={"model": "m", "input": "x"})
-    # The model directory is empty while NATS is unreachable, so the answer is 404 or 503;
-    # it must never hang or crash the gateway.
-    assert response.status_code in (404, 503)
-    assert_openai_error(response, response.status_code)
+    # Without NATS the gateway cannot know which models exist: 503, not 404.
+    assert_openai_error(response, 503)
+    assert "retry-after" in response.headers

@@ -136,6 +136,9 @@ class Gateway:
         try:
             body = await _read_body(receive, self.settings.max_body_bytes)
             model = read_routing_fields(body).model
+            # Before the first connection the directory is empty: that is not a 404.
+            if not self._ready.is_set():
+                raise ApiError(503, "The queue (NATS) is not reachable", retry_after=1)
             if self.directory.get(model) is None:
                 raise ApiError(
                     404,
