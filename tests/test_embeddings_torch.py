@@ -8,7 +8,7 @@ import base64
 import numpy as np
 import openai
 import pytest
-from conftest import worker_status
+from conftest import wait_until, worker_status
 
 MODEL = "all-MiniLM-L6-v2"
 TEXTS = [
@@ -93,7 +93,17 @@ def test_32_concurrent_clients_form_batches(
         await client.close()
         return results  # type: ignore[return-value]
 
+    before = worker_status(nats_server.url, torch_worker.pid)
+    done_before = before.items_done if before is not None else 0
     got = np.stack(asyncio.run(run()))
     assert _cosines(got, expected).min() >= 0.999
-    status = worker_status(nats_server.url, torch_worker.pid)
-    assert status is not None and status.max_batch_items > 1, status
+    # The worker publishes its status once a second: wait for the one that counts this load.
+    status = wait_until(
+        lambda: (
+            (s := worker_status(nats_server.url, torch_worker.pid))
+            and s.items_done >= done_before + len(sentences)
+            and s
+        ),
+        timeout=10,
+    )
+    assert status.max_batch_items > 1, status

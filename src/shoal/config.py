@@ -39,6 +39,9 @@ class GatewaySettings:
     port: int = 8000
     max_body_bytes: int = 4 * 1024 * 1024
     request_timeout_s: float = 60.0
+    # A stream that has started and then sends nothing for this long ends with an error
+    # event (its worker is gone and no other worker restarted it).
+    stream_idle_timeout_s: float = 30.0
     retry_after_s: int = 1
     http_server: str = "uvicorn"
     queue: QueueSettings = field(default_factory=QueueSettings)

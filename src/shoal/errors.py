@@ -55,3 +55,18 @@ class ApiError(Exception):
             self.status, "server_error" if self.status >= 500 else "invalid_request_error"
         )
         return encode_json(ErrorBody(ErrorDetail(self.message, kind, self.param, self.code)))
+
+
+def invalid_body(err: msgspec.ValidationError | msgspec.DecodeError) -> ApiError:
+    """The 400 for a body msgspec could not decode, naming the parameter as OpenAI does."""
+    if isinstance(err, msgspec.ValidationError):
+        return ApiError(400, f"Invalid request: {err}", param=_param_of(err))
+    return ApiError(400, f"Request body is not valid JSON: {err}")
+
+
+def _param_of(err: msgspec.ValidationError) -> str | None:
+    # msgspec says "... - at `$.field...`": the top-level field is the parameter.
+    message = str(err)
+    if "`$." in message:
+        return message.split("`$.", 1)[1].split("`", 1)[0].split("[", 1)[0].split(".", 1)[0]
+    return None

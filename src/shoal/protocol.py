@@ -16,6 +16,7 @@ import msgspec
 WORK_STREAM = "SHOAL_WORK"
 WORK_SUBJECT_PREFIX = "shoal.work"
 REPLY_SUBJECT_PREFIX = "shoal.reply"
+CANCEL_SUBJECT_PREFIX = "shoal.cancel"
 MODELS_BUCKET = "shoal_models"
 WORKERS_BUCKET = "shoal_workers"
 WORKER_STATUS_TTL_S = 15.0
@@ -30,12 +31,30 @@ class Header:
     DEADLINE = "Shoal-Deadline"  # unix time in milliseconds
     SENT = "Shoal-Sent"  # unix time in milliseconds, for queue-wait metrics
     COST = "Shoal-Cost"  # estimated tokens
-    TASK = "Shoal-Task"
+    TASK = "Shoal-Task"  # the API endpoint: an Endpoint value
+    STREAM = "Shoal-Stream"  # "1": reply with a sequence of chunks, not one body
     STATUS = "Shoal-Status"  # HTTP status of a reply
+    SEQ = "Shoal-Seq"  # position of a chunk in a streamed reply, from 0
+    FINAL = "Shoal-Final"  # "1" on the last message of a streamed reply
 
 
 class Task(StrEnum):
+    """What a deployment does; it decides which endpoints it serves."""
+
     EMBEDDINGS = "embeddings"
+    GENERATE = "generate"
+
+
+class Endpoint(StrEnum):
+    """The API a work item came through: the worker decodes the body accordingly."""
+
+    EMBEDDINGS = "embeddings"
+    COMPLETIONS = "completions"
+    CHAT_COMPLETIONS = "chat.completions"
+
+    @property
+    def task(self) -> Task:
+        return Task.EMBEDDINGS if self is Endpoint.EMBEDDINGS else Task.GENERATE
 
 
 _SAFE_TOKEN_CHAR = re.compile(r"[A-Za-z0-9-]")
@@ -65,6 +84,11 @@ def consumer_name(model: str) -> str:
 
 def reply_subject(gateway_id: str) -> str:
     return f"{REPLY_SUBJECT_PREFIX}.{gateway_id}"
+
+
+def cancel_subject(model: str) -> str:
+    """Core NATS subject on which gateways cancel a model's requests (body: request id)."""
+    return f"{CANCEL_SUBJECT_PREFIX}.{name_token(model)}"
 
 
 def now_ms() -> int:
@@ -101,6 +125,11 @@ class WorkerStatus(msgspec.Struct, kw_only=True):
     redelivered: int = 0  # items this worker got after another delivery was not acked
     batches: int = 0
     max_batch_items: int = 0
+    slots: int = 0  # generative workers: sequences decoded together at most
+    running_sequences: int = 0
+    max_running_sequences: int = 0  # the most sequences seen in one decode step
+    tokens_generated: int = 0
+    cancelled: int = 0
     busy_fraction: float = 0.0
     updated_ms: int = 0
 

@@ -1,17 +1,21 @@
 """The gateway as a plain ASGI app: small enough that a framework would only add overhead.
 
-Per request it reads the body, decodes only `model` (and `stream`), publishes the body
+Per request it reads the body, decodes only `model` and `stream`, publishes the body
 unchanged to the model's work subject with metadata in headers, and waits for the result on
-its process's reply subject. The result body is written out as the worker encoded it.
+its process's reply subject. The result body is written out as the worker encoded it; a
+streamed result is relayed chunk by chunk as server-sent events (gateway/streaming.py).
+A generation request whose client disconnects is cancelled at the worker.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import nats.errors
@@ -25,10 +29,13 @@ from shoal.errors import ApiError
 from shoal.gateway.directory import ModelDirectory
 from shoal.gateway.replies import ReplyRouter
 from shoal.gateway.routing import estimate_tokens, read_routing_fields
+from shoal.gateway.streaming import ClientGone, StreamRelay, next_or_gone, wait_for_disconnect
 from shoal.observability.metrics import GatewayMetrics
 from shoal.protocol import (
+    Endpoint,
     Header,
     Task,
+    cancel_subject,
     encode_json,
     now_ms,
     reply_subject,
@@ -44,6 +51,8 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 _JSON = (b"content-type", b"application/json")
 _TEXT = (b"content-type", b"text/plain; version=0.0.4; charset=utf-8")
 _QUEUE_FULL_CODES = {10077, 10047, 10078}  # max msgs per subject / max msgs / max bytes
+_CLIENT_CLOSED = 499  # nginx's status for "client closed request": metrics only
+_ROUTE_OF_TASK = {Task.EMBEDDINGS: "/v1/embeddings", Task.GENERATE: "/v1/chat/completions"}
 
 
 class Gateway:
@@ -60,7 +69,9 @@ class Gateway:
         self._ready = asyncio.Event()
         self._connect_task: asyncio.Task[None] | None = None
         self._routes: dict[tuple[str, str], Callable[[Scope, Receive, Send], Awaitable[None]]] = {
-            ("POST", "/v1/embeddings"): self._embeddings,
+            ("POST", "/v1/embeddings"): partial(self._inference, Endpoint.EMBEDDINGS),
+            ("POST", "/v1/completions"): partial(self._inference, Endpoint.COMPLETIONS),
+            ("POST", "/v1/chat/completions"): partial(self._inference, Endpoint.CHAT_COMPLETIONS),
             ("GET", "/v1/models"): self._models,
             ("GET", "/healthz"): self._healthz,
             ("GET", "/readyz"): self._readyz,
@@ -129,60 +140,140 @@ class Gateway:
 
     # -- routes --------------------------------------------------------------------------
 
-    async def _embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _inference(
+        self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send
+    ) -> None:
         started = time.perf_counter()
         model_label = "-"  # only deployed names become labels, so the label set stays bounded
         status = 500
         try:
             body = await _read_body(receive, self.settings.max_body_bytes)
-            model = read_routing_fields(body).model
-            # Before the first connection the directory is empty: that is not a 404.
-            if not self._ready.is_set():
-                raise ApiError(503, "The queue (NATS) is not reachable", retry_after=1)
-            if self.directory.get(model) is None:
-                raise ApiError(
-                    404,
-                    f"The model '{model}' does not exist",
-                    param="model",
-                    code="model_not_found",
-                )
-            model_label = model
-            status, payload = await self._dispatch(model, Task.EMBEDDINGS, body)
-            await _respond(send, status, payload)
+            fields = read_routing_fields(body)
+            self._check_model(fields.model, endpoint)
+            model_label = fields.model
+            if endpoint is Endpoint.EMBEDDINGS:
+                status, payload = await self._dispatch(fields.model, endpoint, body)
+                await _respond(send, status, payload)
+            elif fields.stream:
+                status = await self._stream(fields.model, endpoint, body, receive, send)
+            else:
+                status, payload = await self._dispatch(fields.model, endpoint, body, receive)
+                await _respond(send, status, payload)
         except ApiError as err:
             status = err.status
             raise
+        except ClientGone:
+            status = _CLIENT_CLOSED
         finally:
             elapsed = time.perf_counter() - started
-            self.metrics.requests.labels("embeddings", model_label, str(status)).inc()
-            self.metrics.latency.labels("embeddings", model_label).observe(elapsed)
+            self.metrics.requests.labels(endpoint.value, model_label, str(status)).inc()
+            self.metrics.latency.labels(endpoint.value, model_label).observe(elapsed)
 
-    async def _dispatch(self, model: str, task: Task, body: bytes) -> tuple[int, bytes]:
-        """Queue one request and wait for its result; returns (HTTP status, response body)."""
-        nc, js = self._nc, self._js
-        if nc is None or js is None or not nc.is_connected:
+    def _check_model(self, model: str, endpoint: Endpoint) -> None:
+        # Before the first connection the directory is empty: that is not a 404.
+        if not self._ready.is_set():
             raise ApiError(503, "The queue (NATS) is not reachable", retry_after=1)
-        request_id = uuid.uuid4().hex
+        spec = self.directory.get(model)
+        if spec is None:
+            raise ApiError(
+                404, f"The model '{model}' does not exist", param="model", code="model_not_found"
+            )
+        if spec.task is not endpoint.task:
+            raise ApiError(
+                400,
+                f"The model '{model}' serves {spec.task.value}: use {_ROUTE_OF_TASK[spec.task]}",
+                param="model",
+                code="model_not_supported",
+            )
+
+    def _work_headers(
+        self, request_id: str, endpoint: Endpoint, body: bytes, stream: bool
+    ) -> dict[str, str]:
         sent = now_ms()
-        timeout_s = self.settings.request_timeout_s
         headers = {
             Header.MSG_ID: request_id,
             Header.REQUEST_ID: request_id,
             Header.REPLY_TO: self.replies.subject,
-            Header.DEADLINE: str(sent + int(timeout_s * 1000)),
+            Header.DEADLINE: str(sent + int(self.settings.request_timeout_s * 1000)),
             Header.SENT: str(sent),
             Header.COST: str(estimate_tokens(body)),
-            Header.TASK: task.value,
+            Header.TASK: endpoint.value,
         }
+        if stream:
+            headers[Header.STREAM] = "1"
+        return headers
+
+    def _connected_js(self):
+        nc, js = self._nc, self._js
+        if nc is None or js is None or not nc.is_connected:
+            raise ApiError(503, "The queue (NATS) is not reachable", retry_after=1)
+        return js
+
+    async def _dispatch(
+        self, model: str, endpoint: Endpoint, body: bytes, receive: Receive | None = None
+    ) -> tuple[int, bytes]:
+        """Queue one request and wait for its result; returns (HTTP status, response body).
+
+        With `receive`, a client that disconnects while waiting cancels the request.
+        """
+        js = self._connected_js()
+        request_id = uuid.uuid4().hex
+        timeout_s = self.settings.request_timeout_s
         future = self.replies.expect(request_id)
+        disconnected = asyncio.create_task(wait_for_disconnect(receive)) if receive else None
         try:
-            await self._publish(js, work_subject(model), body, headers)
-            reply = await asyncio.wait_for(future, timeout_s)
+            await self._publish(
+                js,
+                work_subject(model),
+                body,
+                self._work_headers(request_id, endpoint, body, stream=False),
+            )
+            if disconnected is None:
+                reply = await asyncio.wait_for(future, timeout_s)
+            else:
+                reply = await next_or_gone(future, disconnected, timeout_s)
         except TimeoutError:
             raise ApiError(504, f"No result within {timeout_s:g} s", code="timeout") from None
+        except ClientGone:
+            await self._cancel(model, request_id)
+            raise
         finally:
             self.replies.forget(request_id)
+            if disconnected is not None:
+                disconnected.cancel()
         return int(reply.headers.get(Header.STATUS, "500")), reply.data
+
+    async def _stream(
+        self, model: str, endpoint: Endpoint, body: bytes, receive: Receive, send: Send
+    ) -> int:
+        """Queue a streamed request and relay its chunks; returns the status for metrics."""
+        js = self._connected_js()
+        request_id = uuid.uuid4().hex
+        queue = self.replies.expect_stream(request_id)
+        disconnected = asyncio.create_task(wait_for_disconnect(receive))
+        relay = StreamRelay(queue, send, disconnected)
+        try:
+            headers = self._work_headers(request_id, endpoint, body, stream=True)
+            await self._publish(js, work_subject(model), body, headers)
+            settings = self.settings
+            await relay.run(
+                time.monotonic() + settings.request_timeout_s, settings.stream_idle_timeout_s
+            )
+        except (ClientGone, OSError):
+            await self._cancel(model, request_id)
+            raise ClientGone from None
+        finally:
+            self.replies.forget(request_id)
+            disconnected.cancel()
+        if relay.status != 200:
+            await self._cancel(model, request_id)  # whatever still runs has no reader
+        return relay.status
+
+    async def _cancel(self, model: str, request_id: str) -> None:
+        nc = self._nc
+        if nc is not None and nc.is_connected:
+            with contextlib.suppress(Exception):
+                await nc.publish(cancel_subject(model), request_id.encode())
 
     async def _publish(self, js, subject: str, body: bytes, headers: dict[str, str]) -> None:
         # A publish whose ack was lost is retried once; Nats-Msg-Id makes the retry a no-op

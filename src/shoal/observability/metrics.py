@@ -105,6 +105,20 @@ class WorkerMetrics:
             registry=self.registry,
         ).labels(**labels)
 
+        self.first_token = Histogram(
+            "shoal_worker_first_token_seconds",
+            "Generation: time from the gateway's publish to the first token",
+            ["model", "runtime"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        ).labels(**labels)
+        self.tokens = Counter(
+            "shoal_worker_generated_tokens",
+            "Generation: completion tokens produced",
+            ["model", "runtime"],
+            registry=self.registry,
+        ).labels(**labels)
+
     def count_item(self, status: int) -> None:
         self.items.labels(status=str(status), **self._items_labels).inc()
 

@@ -1,28 +1,68 @@
-"""Runtimes behind one interface (`EmbeddingRuntime`). They import nothing from the queue layer.
+"""Runtimes behind two interfaces (`EmbeddingRuntime`, `GenerationRuntime`).
 
-`load_runtime` imports a runtime's module only when it is used: torch takes seconds to import
-and a `sim` worker must not pay for it.
+They import nothing from the queue layer. `load_runtime` imports a runtime's module only when
+it is used: torch takes seconds to import and a `sim` worker must not pay for it.
 """
 
 from __future__ import annotations
 
-from shoal.protocol import ModelSpec
-from shoal.runtimes.base import EmbeddingRuntime, EmbedOutput
+from shoal.protocol import ModelSpec, Task
+from shoal.runtimes.base import EmbeddingRuntime, EmbedOutput, GenerationRuntime, SamplingParams
 
-RUNTIMES = ("torch", "sim")
+# Which tasks each runtime serves; `sim` is a simulated accelerator (no model runs).
+RUNTIME_TASKS: dict[str, tuple[Task, ...]] = {
+    "torch": (Task.EMBEDDINGS, Task.GENERATE),
+    "llamacpp": (Task.GENERATE,),
+    "sim": (Task.EMBEDDINGS, Task.GENERATE),
+}
+RUNTIMES = tuple(RUNTIME_TASKS)
 
 
-def load_runtime(spec: ModelSpec) -> EmbeddingRuntime:
-    """Load the model a spec names on the runtime it names."""
+def check_runtime(spec: ModelSpec) -> None:
+    """Raise ValueError when no runtime of that name serves the spec's task."""
+    tasks = RUNTIME_TASKS.get(spec.runtime)
+    if tasks is None:
+        raise ValueError(f"unknown runtime {spec.runtime!r}; known: {', '.join(RUNTIMES)}")
+    if spec.task not in tasks:
+        served = ", ".join(t.value for t in tasks)
+        raise ValueError(f"runtime {spec.runtime!r} serves {served}, not {spec.task.value}")
+
+
+def load_runtime(spec: ModelSpec) -> EmbeddingRuntime | GenerationRuntime:
+    """Load the model a spec names on the runtime it names, for the spec's task."""
+    check_runtime(spec)
+    if spec.task is Task.GENERATE:
+        return _load_generation(spec)
     if spec.runtime == "sim":
         from shoal.runtimes.sim import SimEmbeddingRuntime
 
         return SimEmbeddingRuntime(spec.name, spec.options)
-    if spec.runtime == "torch":
-        from shoal.runtimes.torch_st import TorchEmbeddingRuntime
+    from shoal.runtimes.torch_st import TorchEmbeddingRuntime
 
-        return TorchEmbeddingRuntime(spec.name, spec.source, spec.options)
-    raise ValueError(f"unknown runtime {spec.runtime!r}; known: {', '.join(RUNTIMES)}")
+    return TorchEmbeddingRuntime(spec.name, spec.source, spec.options)
 
 
-__all__ = ["RUNTIMES", "EmbedOutput", "EmbeddingRuntime", "load_runtime"]
+def _load_generation(spec: ModelSpec) -> GenerationRuntime:
+    if spec.runtime == "sim":
+        from shoal.runtimes.sim_generate import SimGenerationRuntime
+
+        return SimGenerationRuntime(spec.name, spec.options)
+    if spec.runtime == "llamacpp":
+        from shoal.runtimes.llamacpp import LlamaCppRuntime
+
+        return LlamaCppRuntime(spec.name, spec.source, spec.options)
+    from shoal.runtimes.torch_causal import TorchCausalRuntime
+
+    return TorchCausalRuntime(spec.name, spec.source, spec.options)
+
+
+__all__ = [
+    "RUNTIMES",
+    "RUNTIME_TASKS",
+    "EmbedOutput",
+    "EmbeddingRuntime",
+    "GenerationRuntime",
+    "SamplingParams",
+    "check_runtime",
+    "load_runtime",
+]

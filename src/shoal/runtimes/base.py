@@ -1,4 +1,4 @@
-"""The interface every runtime implements. A runtime knows models, not queues."""
+"""The interfaces every runtime implements. A runtime knows models, not queues."""
 
 from __future__ import annotations
 
@@ -25,6 +25,63 @@ class EmbeddingRuntime(Protocol):
 
     def embed(self, texts: list[str]) -> EmbedOutput:
         """Embed a batch of texts; raises ValueError for input the model cannot take."""
+        ...
+
+    def close(self) -> None:
+        """Release what the model holds."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one sequence picks its next token. temperature 0 means greedy (argmax)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None  # same seed, same prompt, same settings: same tokens
+
+
+class GenerationRuntime(Protocol):
+    """A loaded causal language model that decodes up to `max_sequences` sequences together.
+
+    The worker owns scheduling: it adds a sequence into a free slot (0 .. max_sequences-1),
+    calls `step()` repeatedly, and removes the sequence when it has finished (stop string,
+    token limit, end-of-generation token, cancellation). Stop strings, token limits and text
+    assembly live in the worker, not here. All methods are called from one executor thread.
+    """
+
+    name: str
+    simulated: bool
+    max_sequences: int  # slots decoded in one step
+    context_length: int  # tokens one sequence may hold: prompt + completion
+    chat_template: str | None  # the model's own (Jinja) chat template, if it ships one
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids for a prompt, with the beginning-of-sequence token the model expects."""
+        ...
+
+    def token_bytes(self, token: int) -> bytes:
+        """The UTF-8 bytes a token adds to the text (may be part of one character)."""
+        ...
+
+    def is_end_of_generation(self, token: int) -> bool:
+        """True for tokens that end a completion (EOS, end of turn)."""
+        ...
+
+    def add_sequence(self, slot: int, prompt: list[int], sampling: SamplingParams) -> None:
+        """Start a sequence in a free slot; its prompt is processed by the next `step()`s."""
+        ...
+
+    def remove_sequence(self, slot: int) -> None:
+        """Forget a sequence and free its slot and cache, finished or not."""
+        ...
+
+    def step(self) -> dict[int, int]:
+        """Advance every sequence by one token: returns {slot: new token}.
+
+        A sequence whose prompt is still being processed (prompts longer than one step's
+        token budget are processed over several steps) is absent from the result.
+        """
         ...
 
     def close(self) -> None:

@@ -2,28 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
 import os
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from shoal.runtimes.base import EmbedOutput
-
-
-def resolve_source(source: str) -> Path:
-    """A model directory from `package:NAME` (a package that ships weights) or a path.
-
-    Weights never come from a hub at run time: a package must expose `get_model_path()`.
-    """
-    if source.startswith("package:"):
-        module = importlib.import_module(source.removeprefix("package:"))
-        return Path(module.get_model_path())
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"model source {source!r} does not exist")
-    return path
+from shoal.runtimes.model_files import resolve_source
 
 
 class TorchEmbeddingRuntime:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from nats.aio.msg import Msg
 
-from shoal.protocol import Header
+from shoal.protocol import Endpoint, Header
 
 
 @dataclass(slots=True)
@@ -20,6 +20,8 @@ class WorkItem:
     deadline_ms: int
     sent_ms: int
     cost: int
+    endpoint: Endpoint | None  # None: a header this worker does not know
+    stream: bool = False
     deliveries: int = 1
 
     @classmethod
@@ -32,12 +34,24 @@ class WorkItem:
             deadline_ms=int(headers.get(Header.DEADLINE) or 0),
             sent_ms=int(headers.get(Header.SENT) or 0),
             cost=max(1, int(headers.get(Header.COST) or 1)),
+            endpoint=_endpoint(headers.get(Header.TASK)),
+            stream=headers.get(Header.STREAM) == "1",
             deliveries=msg.metadata.num_delivered or 1,
         )
+
+    def expired(self, now_ms: int) -> bool:
+        return bool(self.deadline_ms) and self.deadline_ms <= now_ms
 
     @property
     def body(self) -> bytes:
         return self.msg.data
+
+
+def _endpoint(value: str | None) -> Endpoint | None:
+    try:
+        return Endpoint(value or Endpoint.EMBEDDINGS)
+    except ValueError:
+        return None
 
 
 def take_batch(pending: deque[WorkItem], max_items: int, max_tokens: int) -> list[WorkItem]:

@@ -14,9 +14,10 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
-from shoal.errors import ApiError
+from shoal.errors import ApiError, invalid_body
 from shoal.protocol import encode_json
 from shoal.runtimes.base import EmbeddingRuntime
+from shoal.worker.outbox import Reply
 
 MAX_INPUTS_PER_REQUEST = 2048
 
@@ -54,18 +55,6 @@ class EmbeddingsResponse(msgspec.Struct):
 
 
 @dataclass(slots=True)
-class Reply:
-    """What goes back to the gateway for one work item: an HTTP status and a ready body."""
-
-    status: int
-    body: bytes
-
-    @classmethod
-    def from_error(cls, error: ApiError) -> Reply:
-        return cls(error.status, error.body())
-
-
-@dataclass(slots=True)
 class BatchOutcome:
     replies: list[Reply]
     runtime_seconds: float
@@ -79,10 +68,8 @@ def parse_request(body: bytes, dimensions: int) -> tuple[EmbeddingsRequest, list
     """Decode and validate one request; raises ApiError(400) with OpenAI's kind of message."""
     try:
         request = _decode_request(body)
-    except msgspec.ValidationError as err:
-        raise ApiError(400, f"Invalid request: {err}", param=_param_of(err)) from None
-    except msgspec.DecodeError as err:
-        raise ApiError(400, f"Request body is not valid JSON: {err}") from None
+    except (msgspec.ValidationError, msgspec.DecodeError) as err:
+        raise invalid_body(err) from None
     texts = [request.input] if isinstance(request.input, str) else request.input
     if not texts:
         raise ApiError(400, "'input' must not be empty", param="input")
@@ -108,14 +95,6 @@ def parse_request(body: bytes, dimensions: int) -> tuple[EmbeddingsRequest, list
             param="dimensions",
         )
     return request, texts
-
-
-def _param_of(err: msgspec.ValidationError) -> str | None:
-    # msgspec says "... - at `$.field...`"; OpenAI names the offending parameter.
-    message = str(err)
-    if "`$." in message:
-        return message.split("`$.", 1)[1].split("`", 1)[0].split("[", 1)[0].split(".", 1)[0]
-    return None
 
 
 def encode_response(

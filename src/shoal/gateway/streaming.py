@@ -1,0 +1,157 @@
+"""Streamed replies to server-sent events, and noticing a client that went away.
+
+A worker sends a streamed reply as numbered chunks (Shoal-Seq from 0) ending with a final
+message (Shoal-Final), each body a ready OpenAI chunk. The relay writes each as one
+`data: {...}` event and ends with `data: [DONE]`. A message without a sequence number before
+the first chunk is a whole answer (an error found before generation started): it is sent as
+a plain JSON response with its status. After the first chunk every failure becomes an error
+event, as OpenAI sends one, and the stream ends; it never hangs:
+
+- the worker died and another worker restarted the request (chunk 0 again): error event;
+- a chunk is missing (a gap in the numbers): error event;
+- nothing arrives before the request's deadline, or for `stream_idle_timeout_s` once the
+  stream has started: error event (504).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from nats.aio.msg import Msg
+
+from shoal.errors import ApiError
+from shoal.protocol import Header
+
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),  # ask proxies not to buffer the stream
+]
+_DONE = b"data: [DONE]\n\n"
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was complete."""
+
+
+async def wait_for_disconnect(receive: Receive) -> None:
+    """Returns when the client disconnects (after the request body has been read)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def next_or_gone(
+    get: Awaitable[Msg], disconnected: asyncio.Task[None], timeout_s: float
+) -> Msg:
+    """The next reply, unless the client leaves first (ClientGone) or time runs out."""
+    getter = asyncio.ensure_future(get)
+    done, _ = await asyncio.wait(
+        {getter, disconnected}, timeout=max(0.0, timeout_s), return_when=asyncio.FIRST_COMPLETED
+    )
+    if getter in done:
+        return getter.result()
+    getter.cancel()
+    if disconnected in done:
+        raise ClientGone
+    raise TimeoutError
+
+
+class StreamRelay:
+    """Relays one request's streamed reply from its queue to the HTTP client."""
+
+    def __init__(
+        self, queue: asyncio.Queue[Msg], send: Send, disconnected: asyncio.Task[None]
+    ) -> None:
+        self._queue = queue
+        self._send = send
+        self._disconnected = disconnected
+        self._next_seq = 0
+        self.started = False
+        self.status = 200
+
+    async def run(self, deadline: float, idle_timeout_s: float) -> None:
+        """Relay until the final message, an error event, or ClientGone."""
+        while True:
+            now = time.monotonic()
+            wait_s = min(deadline - now, idle_timeout_s) if self.started else deadline - now
+            try:
+                msg = await next_or_gone(self._queue.get(), self._disconnected, wait_s)
+            except TimeoutError:
+                message = (
+                    f"The stream sent nothing for {idle_timeout_s:g} s; its worker is gone"
+                    if self.started and time.monotonic() < deadline
+                    else "No complete answer within the request's time"
+                )
+                await self._fail(ApiError(504, message, code="timeout"))
+                return
+            if await self._relay(msg):
+                return
+
+    async def _relay(self, msg: Msg) -> bool:
+        """Handle one message; True when the stream is over."""
+        headers = msg.headers or {}
+        status = int(headers.get(Header.STATUS, "500"))
+        seq_header = headers.get(Header.SEQ)
+        if seq_header is None:  # a whole answer, not a chunk
+            if not self.started:
+                self.status = status
+                await self._send_whole(status, msg.data)
+            else:
+                await self._fail_with_body(status, msg.data)
+            return True
+        seq = int(seq_header)
+        if seq != self._next_seq:
+            if seq < self._next_seq and seq != 0:
+                return False  # a duplicate: already relayed
+            restarted = seq == 0
+            message = (
+                "The worker serving this stream failed; the request was restarted elsewhere "
+                "and its partial output cannot be continued"
+                if restarted
+                else f"Stream chunk {self._next_seq} was lost"
+            )
+            await self._fail(ApiError(502, message, code="stream_interrupted"))
+            return True
+        self._next_seq += 1
+        await self._start()
+        final = headers.get(Header.FINAL) == "1"
+        if final and status != 200:
+            await self._fail_with_body(status, msg.data)
+            return True
+        await self._event(msg.data, more=True)
+        if final:
+            await self._send({"type": "http.response.body", "body": _DONE, "more_body": False})
+        return final
+
+    async def _start(self) -> None:
+        if not self.started:
+            self.started = True
+            await self._send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+
+    async def _event(self, data: bytes, more: bool) -> None:
+        await self._send(
+            {"type": "http.response.body", "body": b"data: " + data + b"\n\n", "more_body": more}
+        )
+
+    async def _send_whole(self, status: int, body: bytes) -> None:
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+        await self._send({"type": "http.response.body", "body": body})
+
+    async def _fail(self, error: ApiError) -> None:
+        await self._fail_with_body(error.status, error.body())
+
+    async def _fail_with_body(self, status: int, body: bytes) -> None:
+        self.status = status
+        if not self.started:
+            await self._send_whole(status, body)
+            return
+        await self._event(body, more=False)

@@ -1,0 +1,353 @@
+"""Continuous batching by pulling: a generative worker keeps its decode slots full.
+
+The runtime decodes up to S sequences together, one token each per step. Between steps the
+scheduler ends the sequences that finished (stop string, token limit, end of generation,
+cancellation, deadline), answers them, and starts pulled requests in the freed slots, so new
+requests join the running batch without waiting for it to drain. The fill loop asks the queue
+for at most as many requests as there are free slots: a worker never holds queued work it
+has no slot for, so another worker can take it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from shoal.errors import ApiError
+from shoal.protocol import Endpoint, Task, now_ms
+from shoal.runtimes.base import GenerationRuntime
+from shoal.worker.batching import WorkItem
+from shoal.worker.chat_template import render_chat
+from shoal.worker.generation import (
+    FinishReason,
+    GenerationJob,
+    ResponseEncoder,
+    TextAssembler,
+    Usage,
+    parse_generation_request,
+)
+from shoal.worker.outbox import Reply
+from shoal.worker.scheduler import SchedulerContext, reject_if_unservable
+
+log = logging.getLogger(__name__)
+
+CANCELLED_MEMORY_S = 300.0  # how long a cancel is remembered for a request not yet pulled
+
+
+@dataclass(slots=True)
+class Admission:
+    """A pulled request given a slot; the engine thread renders and tokenizes its prompt."""
+
+    item: WorkItem
+    job: GenerationJob
+    slot: int
+    prompt_tokens: int = 0
+    stops: list[str] = field(default_factory=list)
+    error: ApiError | None = None
+
+
+@dataclass(slots=True)
+class StepToken:
+    slot: int
+    token_bytes: bytes
+    end_of_generation: bool
+
+
+@dataclass(slots=True)
+class Sequence:
+    """A request being decoded in a slot."""
+
+    item: WorkItem
+    job: GenerationJob
+    slot: int
+    prompt_tokens: int
+    encoder: ResponseEncoder
+    assembler: TextAssembler
+    completion_tokens: int = 0
+    next_chunk: int = 0
+    cancelled: bool = False
+
+    def usage(self) -> Usage:
+        total = self.prompt_tokens + self.completion_tokens
+        return Usage(self.prompt_tokens, self.completion_tokens, total)
+
+
+class GenerationScheduler:
+    """Runs pulled completions and chat requests with continuous batching (a `Scheduler`)."""
+
+    def __init__(self, ctx: SchedulerContext, runtime: GenerationRuntime) -> None:
+        self._ctx = ctx
+        self._runtime = runtime
+        self._pending: deque[WorkItem] = deque()
+        self._active: dict[int, Sequence] = {}  # by slot
+        self._free_slots = list(range(runtime.max_sequences - 1, -1, -1))
+        self._to_remove: list[int] = []  # slots whose sequences ended, freed at the next step
+        self._cancelled: dict[str, float] = {}  # request id -> when the cancel arrived
+        self._arrived = asyncio.Event()
+        self._accepting = True
+
+    @property
+    def slots(self) -> int:
+        return self._runtime.max_sequences
+
+    # -- Scheduler interface ------------------------------------------------------------
+
+    def accept(self, item: WorkItem) -> None:
+        self._pending.append(item)
+        self._arrived.set()
+
+    def room(self) -> int:
+        return len(self._free_slots) - len(self._pending)
+
+    def held(self) -> list[WorkItem]:
+        return [*(s.item for s in self._active.values()), *self._pending]
+
+    def cancel(self, request_id: str) -> None:
+        for sequence in self._active.values():
+            if sequence.item.request_id == request_id:
+                sequence.cancelled = True
+                return
+        # Not running here: pending, held by another worker, or still queued. Remember it,
+        # so whichever of this worker's loops meets it skips it.
+        now = time.monotonic()
+        self._cancelled[request_id] = now
+        if len(self._cancelled) > 10_000:
+            self._cancelled = {
+                rid: t for rid, t in self._cancelled.items() if now - t < CANCELLED_MEMORY_S
+            }
+
+    def stop_accepting(self) -> None:
+        self._accepting = False
+        self._arrived.set()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._end_cancelled_and_expired()
+            admissions = await self._admit()
+            if not self._active and not admissions:
+                if not self._accepting and not self._pending:
+                    return
+                if not self._pending:
+                    self._arrived.clear()
+                    await self._arrived.wait()
+                continue
+            removals, self._to_remove = self._to_remove, []
+            self._ctx.busy.start()
+            try:
+                tokens = await loop.run_in_executor(
+                    self._ctx.executor, self._engine_step, removals, admissions
+                )
+            except Exception:
+                # A broken step leaves every sequence in doubt: end them with an error;
+                # their messages are acked so the same poison is not redelivered forever.
+                log.exception("decode step failed")
+                self._ctx.busy.stop()
+                await self._fail_all(admissions)
+                continue
+            busy_s = self._ctx.busy.stop()
+            await self._start_admitted(admissions)
+            self._account_step(busy_s)
+            await self._advance(tokens)
+
+    # -- between steps --------------------------------------------------------------------
+
+    async def _admit(self) -> list[Admission]:
+        """Give pulled requests free slots; requests that cannot run are answered now."""
+        admissions = []
+        while self._pending and self._free_slots:
+            item = self._pending.popleft()
+            if self._cancelled.pop(item.request_id, None) is not None:
+                await self._drop_cancelled(item)
+                continue
+            if await reject_if_unservable(self._ctx, item, Task.GENERATE):
+                continue
+            try:
+                job = parse_generation_request(item.endpoint or Endpoint.COMPLETIONS, item.body)
+            except ApiError as err:
+                await self._answer_once(item, Reply.from_error(err))
+                continue
+            admissions.append(Admission(item, job, self._free_slots.pop()))
+            self._ctx.metrics.queue_wait.observe(max(0, now_ms() - item.sent_ms) / 1000)
+        return admissions
+
+    async def _start_admitted(self, admissions: list[Admission]) -> None:
+        for admission in admissions:
+            item, job = admission.item, admission.job
+            if admission.error is not None:
+                self._free_slots.append(admission.slot)
+                await self._answer_once(item, Reply.from_error(admission.error))
+                continue
+            sequence = Sequence(
+                item=item,
+                job=job,
+                slot=admission.slot,
+                prompt_tokens=admission.prompt_tokens,
+                encoder=ResponseEncoder(job, item.request_id),
+                assembler=TextAssembler(admission.stops),
+            )
+            self._active[admission.slot] = sequence
+            if item.stream and (first := sequence.encoder.first_chunk()) is not None:
+                await self._send_chunk(sequence, first)
+        self._report_running()
+
+    async def _advance(self, tokens: list[StepToken]) -> None:
+        for token in tokens:
+            sequence = self._active.get(token.slot)
+            if sequence is None or sequence.cancelled:
+                continue
+            sequence.completion_tokens += 1
+            self._ctx.counters.tokens_generated += 1
+            self._ctx.metrics.tokens.inc()
+            if sequence.completion_tokens == 1:
+                waited_ms = max(0, now_ms() - sequence.item.sent_ms)
+                self._ctx.metrics.first_token.observe(waited_ms / 1000)
+            text = "" if token.end_of_generation else sequence.assembler.add(token.token_bytes)
+            if text and sequence.item.stream:
+                await self._send_chunk(sequence, sequence.encoder.text_chunk(text))
+            finish = self._finish_reason(sequence, token.end_of_generation)
+            if finish is not None:
+                await self._finish(sequence, finish)
+
+    def _finish_reason(self, sequence: Sequence, end_of_generation: bool) -> FinishReason | None:
+        if end_of_generation or sequence.assembler.stopped:
+            return "stop"
+        limit = sequence.job.max_tokens
+        if limit is not None and sequence.completion_tokens >= limit:
+            return "length"
+        if sequence.prompt_tokens + sequence.completion_tokens >= self._runtime.context_length:
+            return "length"
+        return None
+
+    async def _finish(self, sequence: Sequence, finish: FinishReason) -> None:
+        outbox, item = self._ctx.outbox, sequence.item
+        rest = sequence.assembler.finish()
+        if item.stream:
+            if rest:
+                await self._send_chunk(sequence, sequence.encoder.text_chunk(rest))
+            await self._send_chunk(sequence, sequence.encoder.finish_chunk(finish))
+            usage = sequence.encoder.usage_chunk(sequence.usage())
+            await outbox.last_chunk(item, sequence.next_chunk, Reply(200, usage))
+        else:
+            body = sequence.encoder.complete(sequence.assembler.text, finish, sequence.usage())
+            await outbox.reply(item, Reply(200, body))
+        await self._release(sequence)
+
+    async def _end_cancelled_and_expired(self) -> None:
+        now = now_ms()
+        for sequence in list(self._active.values()):
+            if sequence.cancelled:
+                self._ctx.counters.cancelled += 1
+                self._ctx.metrics.count_item(499)  # nginx's "client closed request"
+                await self._release(sequence)
+            elif sequence.item.expired(now):
+                error = ApiError(504, "The request's deadline passed during generation")
+                await self._end_with_error(sequence, error)
+
+    async def _end_with_error(self, sequence: Sequence, error: ApiError) -> None:
+        if sequence.item.stream and sequence.next_chunk:
+            await self._ctx.outbox.last_chunk(
+                sequence.item, sequence.next_chunk, Reply.from_error(error)
+            )
+        else:
+            await self._ctx.outbox.reply(sequence.item, Reply.from_error(error))
+        await self._release(sequence)
+
+    async def _release(self, sequence: Sequence) -> None:
+        del self._active[sequence.slot]
+        self._to_remove.append(sequence.slot)
+        self._free_slots.append(sequence.slot)
+        await self._ctx.outbox.ack(sequence.item)
+        self._ctx.counters.finished(sequence.item)
+        self._report_running()
+        self._ctx.room_changed.set()
+
+    async def _answer_once(self, item: WorkItem, reply: Reply) -> None:
+        await self._ctx.outbox.reply(item, reply)
+        await self._ctx.outbox.ack(item)
+        self._ctx.counters.finished(item)
+
+    async def _drop_cancelled(self, item: WorkItem) -> None:
+        self._ctx.counters.cancelled += 1
+        self._ctx.metrics.count_item(499)
+        await self._ctx.outbox.ack(item)
+        self._ctx.counters.finished(item)
+
+    async def _fail_all(self, admissions: list[Admission]) -> None:
+        error = ApiError(500, "The runtime failed during generation")
+        for admission in admissions:
+            self._free_slots.append(admission.slot)
+            await self._answer_once(admission.item, Reply.from_error(error))
+        for sequence in list(self._active.values()):
+            await self._end_with_error(sequence, error)
+
+    async def _send_chunk(self, sequence: Sequence, body: bytes) -> None:
+        await self._ctx.outbox.chunk(sequence.item, sequence.next_chunk, body)
+        sequence.next_chunk += 1
+
+    def _report_running(self) -> None:
+        counters = self._ctx.counters
+        counters.running_sequences = len(self._active)
+
+    def _account_step(self, busy_s: float) -> None:
+        ctx = self._ctx
+        running = len(self._active)
+        ctx.metrics.busy_seconds.inc(busy_s)
+        ctx.metrics.batch_seconds.observe(busy_s)
+        ctx.counters.batches += 1
+        ctx.metrics.batch_items.observe(running)
+        ctx.counters.max_batch_items = max(ctx.counters.max_batch_items, running)
+        ctx.counters.max_running_sequences = ctx.counters.max_batch_items
+
+    # -- in the engine thread ----------------------------------------------------------------
+
+    def _engine_step(self, removals: list[int], admissions: list[Admission]) -> list[StepToken]:
+        runtime = self._runtime
+        for slot in removals:
+            runtime.remove_sequence(slot)
+        for admission in admissions:
+            try:
+                self._prepare(admission)
+            except ApiError as err:
+                admission.error = err
+        tokens = runtime.step() if runtime_has_work(admissions, self._active) else {}
+        return [
+            StepToken(slot, runtime.token_bytes(token), runtime.is_end_of_generation(token))
+            for slot, token in tokens.items()
+        ]
+
+    def _prepare(self, admission: Admission) -> None:
+        runtime, job = self._runtime, admission.job
+        stops = list(job.stops)
+        if job.endpoint is Endpoint.CHAT_COMPLETIONS:
+            try:
+                rendered = render_chat(job.turns, runtime.chat_template)
+            except Exception as err:  # the model's template refused the conversation
+                raise ApiError(
+                    400, f"The chat template cannot render: {err}", param="messages"
+                ) from None
+            prompt, stops = rendered.text, [*stops, *rendered.extra_stops]
+        else:
+            prompt = job.prompt or ""
+        tokens = runtime.tokenize(prompt)
+        chat = job.endpoint is Endpoint.CHAT_COMPLETIONS
+        limit = runtime.context_length
+        wanted = len(tokens) + (job.max_tokens or 1)
+        if wanted > limit:
+            raise ApiError(
+                400,
+                f"This model's context is {limit} tokens; the prompt has {len(tokens)} and "
+                f"{job.max_tokens or 1} more were asked for",
+                param="max_tokens" if job.max_tokens else ("messages" if chat else "prompt"),
+                code="context_length_exceeded",
+            )
+        runtime.add_sequence(admission.slot, tokens, job.sampling)
+        admission.prompt_tokens = len(tokens)
+        admission.stops = stops
+
+
+def runtime_has_work(admissions: list[Admission], active: dict[int, Sequence]) -> bool:
+    return bool(active) or any(a.error is None for a in admissions)
