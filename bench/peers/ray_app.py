@@ -1,0 +1,94 @@
+"""Ray Serve peer: all-MiniLM-L6-v2 in a deployment with @serve.batch (run by bench.peers).
+
+Runs inside bench/.peers/ray (its own virtualenv, made by bench/peers/install.sh):
+
+    bench/.peers/ray/bin/python bench/peers/ray_app.py --port P --model-path DIR \\
+        --max-batch-size 128 --max-ongoing-requests 256 --threads 2
+
+Answers POST /v1/embeddings in OpenAI's shape (float or base64), like Shoal, so the same load
+generator drives both. The batch method runs sentence-transformers' `encode` on the batch, as
+Ray's own batching examples do. Stops on SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import signal
+import threading
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--model-name", default="all-MiniLM-L6-v2")
+    parser.add_argument("--max-batch-size", type=int, default=128)
+    parser.add_argument("--batch-wait-timeout-s", type=float, default=0.0)
+    parser.add_argument("--max-ongoing-requests", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--replicas", type=int, default=1)
+    args = parser.parse_args()
+
+    import ray
+    from ray import serve
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+
+    @serve.deployment(
+        num_replicas=args.replicas,
+        max_ongoing_requests=args.max_ongoing_requests,
+        ray_actor_options={"num_cpus": 0},
+    )
+    class Embedder:
+        def __init__(self) -> None:
+            import torch
+            from sentence_transformers import SentenceTransformer
+
+            torch.set_num_threads(args.threads)
+            self.model = SentenceTransformer(args.model_path, device="cpu")
+
+        @serve.batch(
+            max_batch_size=args.max_batch_size, batch_wait_timeout_s=args.batch_wait_timeout_s
+        )
+        async def embed(self, texts: list[str]):
+            vectors = self.model.encode(texts, batch_size=len(texts), convert_to_numpy=True)
+            return list(vectors.astype("<f4"))
+
+        async def __call__(self, request: Request) -> JSONResponse:
+            body = await request.json()
+            text = body["input"] if isinstance(body["input"], str) else body["input"][0]
+            vector = await self.embed(text)
+            if body.get("encoding_format") == "base64":
+                embedding = base64.b64encode(vector.tobytes()).decode()
+            else:
+                embedding = vector.tolist()
+            tokens = max(1, len(text) // 4)
+            return JSONResponse(
+                {
+                    "object": "list",
+                    "data": [{"object": "embedding", "index": 0, "embedding": embedding}],
+                    "model": args.model_name,
+                    "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                }
+            )
+
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=256 * 1024 * 1024,
+        log_to_driver=False,
+    )
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    serve.run(Embedder.bind(), route_prefix="/v1/embeddings", name="embedder")
+    print("ray serve ready", flush=True)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    stop.wait()
+    serve.shutdown()
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""A push cluster as child processes: N push workers and one router, on free loopback ports.
+
+The counterpart of bench.harness.UpCluster for the push baselines; the workers get the same
+ModelSpec and the same thread share (`SHOAL_THREADS` = cores / N) as `shoal up` gives its own.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from bench.harness import _cpu_seconds, free_port
+from shoal.process import child_preexec
+from shoal.protocol import ModelSpec, encode_json
+
+READY_TIMEOUT_S = 300.0
+_ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+class PushCluster:
+    """`with PushCluster(spec, workers=4, policy="lor", cap=64) as push: push.url ...`"""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        *,
+        workers: int,
+        policy: str,
+        cap: int,
+        max_batch_items: int,
+        max_batch_tokens: int = 8192,
+        max_wait_ms: float = 0.0,
+    ) -> None:
+        self.spec = spec
+        self.workers = workers
+        self.policy = policy
+        self.cap = cap
+        self.max_batch_items = max_batch_items
+        self.max_batch_tokens = max_batch_tokens
+        self.max_wait_ms = max_wait_ms
+        self.worker_ports = [free_port() for _ in range(workers)]
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.metrics_urls = [f"http://127.0.0.1:{p}/metrics" for p in self.worker_ports]
+        self._router: subprocess.Popen[bytes] | None = None
+        self._workers: list[subprocess.Popen[bytes]] = []
+
+    def __enter__(self) -> PushCluster:
+        threads = max(1, (os.cpu_count() or 1) // self.workers)
+        env = {
+            **os.environ,
+            "SHOAL_THREADS": os.environ.get("SHOAL_THREADS", str(threads)),
+            # Keep a PYTHONPATH the caller set (e.g. a snapshot of shoal's source) in front.
+            "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(_ROOT)])),
+        }
+        try:
+            for port in self.worker_ports:
+                self._workers.append(
+                    self._spawn(
+                        [
+                            "bench.push.worker",
+                            "--port",
+                            str(port),
+                            "--model-json",
+                            encode_json(self.spec).decode(),
+                            "--max-batch-items",
+                            str(self.max_batch_items),
+                            "--max-batch-tokens",
+                            str(self.max_batch_tokens),
+                            "--max-wait-ms",
+                            str(self.max_wait_ms),
+                        ],
+                        env,
+                    )
+                )
+            self._router = self._spawn(
+                [
+                    "bench.push.router",
+                    "--port",
+                    str(self.port),
+                    "--policy",
+                    self.policy,
+                    "--cap",
+                    str(self.cap),
+                    "--workers",
+                    ",".join(f"127.0.0.1:{p}" for p in self.worker_ports),
+                ],
+                env,
+            )
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            for port in [*self.worker_ports, self.port]:
+                _wait_healthy(f"http://127.0.0.1:{port}/healthz", deadline, self._processes())
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for process in self._processes():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self._processes():
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def component_cpu_seconds(self) -> dict[str, float]:
+        """CPU time so far of the router and of all workers together."""
+        totals = {"router": 0.0, "worker": 0.0}
+        if self._router is not None:
+            totals["router"] = _cpu_seconds(self._router.pid)
+        totals["worker"] = sum(_cpu_seconds(p.pid) for p in self._workers)
+        return totals
+
+    def _processes(self) -> list[subprocess.Popen[bytes]]:
+        return [*self._workers, *([self._router] if self._router else [])]
+
+    @staticmethod
+    def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, "-m", *args], env=env, cwd=_ROOT, preexec_fn=child_preexec
+        )
+
+
+def _wait_healthy(url: str, deadline: float, processes: list[subprocess.Popen[bytes]]) -> None:
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in processes):
+            raise RuntimeError("a push cluster process exited while starting")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} not healthy within {READY_TIMEOUT_S:.0f} s")

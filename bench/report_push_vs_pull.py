@@ -1,0 +1,205 @@
+"""Tables (Markdown) and plots (PNG) from bench.push_vs_pull results.
+
+    python -m bench.report_push_vs_pull [bench/results/push_vs_pull_sim.json ...]
+        [--plots docs/img] [--focus 16]
+
+For each results file: a saturation table (every worker count and system), a constant-load
+table for every worker count, and three plots: throughput vs workers, busy fraction vs offered
+load, p99 latency vs offered load (one panel per worker count). Needs matplotlib (`bench`
+extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from bench.harness import RESULTS_DIR
+
+ORDER = ("shoal", "rr", "lor", "p2c", "ray", "infinity")
+LABELS = {
+    "shoal": "Shoal (pull)",
+    "rr": "push: round robin",
+    "lor": "push: least outstanding",
+    "p2c": "push: power of two",
+    "ray": "Ray Serve",
+    "infinity": "Infinity",
+}
+
+
+def systems_of(entry: dict) -> list[str]:
+    return [s for s in ORDER if s in entry]
+
+
+def saturation_table(data: dict) -> str:
+    lines = [
+        "| workers | system | req/s at saturation | vs Shoal | mean batch | busy mean / min "
+        "| p50 / p99 ms | client cores |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for workers, entry in sorted(data["by_workers"].items(), key=lambda kv: int(kv[0])):
+        shoal = entry.get("shoal", {}).get("saturation", {}).get("load", {}).get("rps")
+        for name in systems_of(entry):
+            sat = entry[name]["saturation"]
+            load, figs = sat["load"], sat["workers"]
+            ratio = f"{load['rps'] / shoal:.2f}" if shoal else "-"
+            busy = f"{figs['busy_mean']:.2f} / {figs['busy_min']:.2f}" if figs else "n/a"
+            batch = f"{figs['mean_batch']:.1f}" if figs else "n/a"
+            lines.append(
+                f"| {workers} | {LABELS[name]} | {load['rps']:,.0f} | {ratio} | {batch} | {busy} "
+                f"| {load['p50_ms']:.0f} / {load['p99_ms']:.0f} | {load['client_cores']:.2f} |"
+            )
+    return "\n".join(lines)
+
+
+def load_table(data: dict, workers: str) -> str:
+    entry = data["by_workers"][workers]
+    lines = [
+        "| offered (share of Shoal's saturation) | system | answered req/s | busy mean / min "
+        "| mean batch | p50 / p99 ms | errors |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    fractions = sorted({f for name in systems_of(entry) for f in entry[name]["loads"]})
+    for fraction in fractions:
+        for name in systems_of(entry):
+            measured = entry[name]["loads"].get(fraction)
+            if measured is None:
+                continue
+            load, figs = measured["load"], measured["workers"]
+            busy = f"{figs['busy_mean']:.2f} / {figs['busy_min']:.2f}" if figs else "n/a"
+            batch = f"{figs['mean_batch']:.1f}" if figs else "n/a"
+            lines.append(
+                f"| {load['offered_rps']:,.0f}/s ({float(fraction):.0%}) | {LABELS[name]} "
+                f"| {load['rps']:,.0f} | {busy} | {batch} "
+                f"| {load['p50_ms']:.0f} / {load['p99_ms']:.0f} | {load['sent'] - load['ok']} |"
+            )
+    return "\n".join(lines)
+
+
+def scaling_table(data: dict, system: str = "shoal") -> str:
+    rows = sorted(data["by_workers"].items(), key=lambda kv: int(kv[0]))
+    one = next((e[system]["saturation"]["load"]["rps"] for n, e in rows if n == "1"), None)
+    if not one:
+        return ""
+    lines = [
+        f"| workers | {LABELS[system]} req/s | N x one worker | efficiency | cores: "
+        "gateway / nats / workers / client |",
+        "|---|---|---|---|---|",
+    ]
+    for workers, entry in rows:
+        if system not in entry:
+            continue
+        sat = entry[system]["saturation"]
+        rps, cores = sat["load"]["rps"], sat["cores"]
+        ideal = int(workers) * one
+        used = (
+            " / ".join(f"{cores.get(k, 0):.2f}" for k in ("gateway", "nats", "worker"))
+            + f" / {sat['load']['client_cores']:.2f}"
+        )
+        lines.append(f"| {workers} | {rps:,.0f} | {ideal:,.0f} | {rps / ideal:.2f} | {used} |")
+    return "\n".join(lines)
+
+
+def plot(data: dict, stem: str, plots: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plots.mkdir(parents=True, exist_ok=True)
+    rows = sorted(data["by_workers"].items(), key=lambda kv: int(kv[0]))
+    setup = data["setup"]
+    title = f"{setup['runtime']}" + (
+        f" (SIMULATED: batch_ms={setup['options'].get('batch_ms')}, "
+        f"token_us={setup['options'].get('token_us')})"
+        if setup.get("simulated")
+        else f" ({setup['model']})"
+    )
+    written = []
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = [s for s in ORDER if any(s in e for _, e in rows)]
+    for name in names:
+        points = [(int(n), e[name]["saturation"]["load"]["rps"]) for n, e in rows if name in e]
+        ax.plot(*zip(*points, strict=True), marker="o", label=LABELS[name])
+    one = next((e["shoal"]["saturation"]["load"]["rps"] for n, e in rows if n == "1"), None)
+    if one:
+        xs = [int(n) for n, _ in rows]
+        ax.plot(xs, [x * one for x in xs], "k:", label="N x one Shoal worker")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("workers")
+    ax.set_ylabel("requests/s at saturation")
+    ax.set_title(f"Throughput vs workers, {title}", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    written.append(_save(fig, plots / f"{stem}_throughput.png"))
+
+    for metric, ylabel, key in (
+        ("busy", "worker busy fraction (mean; min dashed)", "busy"),
+        ("p99", "p99 latency, ms (log)", "p99"),
+    ):
+        panels = [(n, e) for n, e in rows if any(e[s]["loads"] for s in systems_of(e))]
+        if not panels:
+            continue
+        fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.6), squeeze=False)
+        for ax, (workers, entry) in zip(axes[0], panels, strict=True):
+            for i, name in enumerate(systems_of(entry)):
+                loads = entry[name]["loads"]
+                xs = [float(f) for f in loads]
+                color = f"C{i}"
+                if key == "busy":
+                    if loads[next(iter(loads))]["workers"] is None:
+                        continue
+                    ys = [loads[f]["workers"]["busy_mean"] for f in loads]
+                    mins = [loads[f]["workers"]["busy_min"] for f in loads]
+                    ax.plot(xs, ys, marker="o", color=color, label=LABELS[name])
+                    ax.plot(xs, mins, linestyle="--", color=color, alpha=0.6)
+                    ax.set_ylim(0, 1.05)
+                else:
+                    ys = [loads[f]["load"]["p99_ms"] for f in loads]
+                    ax.plot(xs, ys, marker="o", color=color, label=LABELS[name])
+                    ax.set_yscale("log")
+            ax.set_title(f"{workers} workers", fontsize=9)
+            ax.set_xlabel("offered load / Shoal's saturation")
+            ax.grid(alpha=0.3)
+        axes[0][0].set_ylabel(ylabel)
+        axes[0][-1].legend(fontsize=7)
+        fig.suptitle(f"{'Busy fraction' if key == 'busy' else 'p99'} vs load, {title}", fontsize=9)
+        written.append(_save(fig, plots / f"{stem}_{metric}.png"))
+    return written
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("files", nargs="*", default=[str(RESULTS_DIR / "push_vs_pull_sim.json")])
+    parser.add_argument("--plots", default="docs/img")
+    parser.add_argument("--no-plots", action="store_true")
+    args = parser.parse_args()
+    for name in args.files:
+        path = Path(name)
+        data = json.loads(path.read_text())
+        print(f"## {path.name}: {data['setup']}\n")
+        print(saturation_table(data), "\n")
+        scaling = scaling_table(data)
+        if scaling:
+            print(scaling, "\n")
+        for workers in sorted(data["by_workers"], key=int):
+            print(f"### {workers} workers, constant load\n")
+            print(load_table(data, workers), "\n")
+        if not args.no_plots:
+            for written in plot(data, path.stem, Path(args.plots)):
+                print(f"wrote {written}")
+
+
+if __name__ == "__main__":
+    main()
