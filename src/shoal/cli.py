@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -19,7 +20,7 @@ from shoal.cluster_file import (
     state_dir,
     write_cluster_info,
 )
-from shoal.config import GatewaySettings, WorkerSettings, env_default
+from shoal.config import GatewaySettings, WorkerSettings, default_memory_budget_mb, env_default
 from shoal.protocol import ModelSpec, Task, is_valid_model_name
 from shoal.runtimes import check_runtime
 
@@ -43,12 +44,16 @@ def _add_nats(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_model(parser: argparse.ArgumentParser) -> None:
+def _add_model(parser: argparse.ArgumentParser, default: str | None = DEFAULT_MODEL) -> None:
     parser.add_argument(
         "--model",
-        default=env_default("MODEL", DEFAULT_MODEL),
+        default=env_default("MODEL", default or ""),
         help=f"deployment name (env SHOAL_MODEL, default {DEFAULT_MODEL})",
     )
+    _add_spec_flags(parser)
+
+
+def _add_spec_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--runtime", default=None, help="runtime: torch, llamacpp or sim (simulated)"
     )
@@ -71,6 +76,7 @@ def _add_batching(parser: argparse.ArgumentParser) -> None:
         "--max-batch-items",
         type=int,
         default=env_default("MAX_BATCH_ITEMS", WorkerSettings.max_batch_items),
+        help="items per batch; default 0: profiled on first load and stored (zero tuning)",
     )
     parser.add_argument(
         "--max-batch-tokens",
@@ -100,6 +106,12 @@ def _add_gateway(parser: argparse.ArgumentParser) -> None:
         default=env_default("MAX_BODY_BYTES", GatewaySettings.max_body_bytes),
     )
     parser.add_argument(
+        "--admin-token",
+        default=env_default("ADMIN_TOKEN", ""),
+        help="token for the admin API (/admin/models); without one the API is off "
+        "(env SHOAL_ADMIN_TOKEN, which keeps it off the command line)",
+    )
+    parser.add_argument(
         "--http-server",
         choices=("uvicorn", "granian"),
         default=env_default("HTTP_SERVER", GatewaySettings.http_server),
@@ -115,16 +127,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_gateway(up)
     _add_model(up)
     _add_batching(up)
+    _add_placement(up)
     up.add_argument("--workers", type=int, default=env_default("WORKERS", 1))
 
     gateway = commands.add_parser("gateway", help="the HTTP gateway alone")
     _add_nats(gateway)
     _add_gateway(gateway)
 
-    worker = commands.add_parser("worker", help="a worker sidecar for one model")
+    worker = commands.add_parser("worker", help="a worker sidecar: one model, or a fleet")
     _add_nats(worker)
-    _add_model(worker)
+    _add_model(worker, default=None)
     _add_batching(worker)
+    _add_placement(worker)
+    worker.add_argument(
+        "--fleet",
+        action="store_true",
+        help="place models by pulling: load any deployed model with a backlog nobody serves",
+    )
     worker.add_argument("--model-json", default=None, help=argparse.SUPPRESS)
     worker.add_argument(
         "--metrics-port",
@@ -138,17 +157,54 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = commands.add_parser("status", help="the workers of a cluster and what they do")
     _add_nats(status)
+
+    deploy = commands.add_parser("deploy", help="deploy a model (no restart anywhere)")
+    deploy.add_argument("name", help="the name clients use; a built-in name needs no flags")
+    _add_nats(deploy)
+    _add_spec_flags(deploy)
+
+    undeploy = commands.add_parser("undeploy", help="remove a deployment")
+    undeploy.add_argument("name")
+    _add_nats(undeploy)
+
+    models = commands.add_parser("models", help="deployments, their workers, backlog, budget")
+    _add_nats(models)
+    models.add_argument("--json", action="store_true", help="one JSON document")
     return parser
 
 
-def _model_spec(args: argparse.Namespace) -> ModelSpec:
+def _add_placement(parser: argparse.ArgumentParser) -> None:
+    defaults = WorkerSettings(nats_url="")
+    parser.add_argument(
+        "--memory-budget-mb",
+        type=float,
+        default=env_default("MEMORY_BUDGET_MB", 0.0),
+        help="memory a worker's models may take (default: half of the machine's, shared "
+        "among `shoal up`'s workers)",
+    )
+    parser.add_argument(
+        "--idle-unload",
+        type=float,
+        default=env_default("IDLE_UNLOAD", defaults.idle_unload_s),
+        help="seconds without work before a placed model is unloaded (0: never)",
+    )
+    parser.add_argument(
+        "--min-residency",
+        type=float,
+        default=env_default("MIN_RESIDENCY", defaults.min_residency_s),
+        help="seconds a placed model stays loaded before it may be evicted",
+    )
+
+
+def _model_spec(args: argparse.Namespace, name: str | None = None) -> ModelSpec:
     if getattr(args, "model_json", None):
         return msgspec.json.decode(args.model_json, type=ModelSpec)
-    if not is_valid_model_name(args.model):
-        raise SystemExit(f"invalid model name {args.model!r}")
+    name = name or args.model
+    if not is_valid_model_name(name):
+        raise SystemExit(f"invalid model name {name!r}")
     try:
         spec = resolve_model(
-            args.model,
+            name,
             runtime=args.runtime,
             source=args.source,
             task=args.task,
@@ -172,6 +228,9 @@ def main(argv: list[str] | None = None) -> None:
         "worker": _worker,
         "nats": _nats,
         "status": _status,
+        "deploy": _deploy,
+        "undeploy": _undeploy,
+        "models": _models,
     }[args.command]
     sys.exit(handler(args) or 0)
 
@@ -180,12 +239,9 @@ def _up(args: argparse.Namespace) -> int:
     from shoal.supervisor import Supervisor, UpOptions
 
     nats_url = args.nats or os.environ.get("SHOAL_NATS") or None
-    batching = [
-        "--max-batch-items",
-        str(args.max_batch_items),
-        "--max-batch-tokens",
-        str(args.max_batch_tokens),
-    ]
+    batching = ["--max-batch-tokens", str(args.max_batch_tokens)]
+    if args.max_batch_items:
+        batching += ["--max-batch-items", str(args.max_batch_items)]
     gateway = [
         "--request-timeout",
         str(args.request_timeout),
@@ -196,6 +252,19 @@ def _up(args: argparse.Namespace) -> int:
         "--http-server",
         args.http_server,
     ]
+    if args.admin_token:  # to the gateway child through its environment, not its argv
+        os.environ["SHOAL_ADMIN_TOKEN"] = args.admin_token
+    # Each of N workers gets an equal share of the machine's model memory by default.
+    budget = args.memory_budget_mb or default_memory_budget_mb() / max(1, args.workers)
+    placement = [
+        "--fleet",
+        "--memory-budget-mb",
+        f"{budget:.0f}",
+        "--idle-unload",
+        str(args.idle_unload),
+        "--min-residency",
+        str(args.min_residency),
+    ]
     options = UpOptions(
         model=_model_spec(args),
         host=args.host,
@@ -203,7 +272,7 @@ def _up(args: argparse.Namespace) -> int:
         workers=args.workers,
         nats_url=nats_url,
         gateway_args=gateway,
-        worker_args=batching,
+        worker_args=[*batching, *placement],
     )
     return Supervisor(options).run()
 
@@ -219,6 +288,7 @@ def _gateway(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout,
         stream_idle_timeout_s=args.stream_idle_timeout,
         http_server=args.http_server,
+        admin_token=args.admin_token,
     )
     serve(settings)
     return 0
@@ -229,12 +299,19 @@ def _worker(args: argparse.Namespace) -> int:
 
     from shoal.worker.sidecar import ModelLoadError, WorkerSidecar
 
+    given = bool(args.model or args.model_json)
+    if not given and not args.fleet:
+        args.model = DEFAULT_MODEL
     settings = WorkerSettings(
         nats_url=resolve_nats_url(args.nats),
-        model=_model_spec(args),
+        models=(_model_spec(args),) if given or not args.fleet else (),
         max_batch_items=args.max_batch_items,
         max_batch_tokens=args.max_batch_tokens,
         metrics_port=args.metrics_port,
+        fleet=args.fleet,
+        memory_budget_mb=args.memory_budget_mb or default_memory_budget_mb(),
+        idle_unload_s=args.idle_unload,
+        min_residency_s=args.min_residency,
     )
     sidecar = WorkerSidecar(settings)
 
@@ -290,6 +367,76 @@ def _status(args: argparse.Namespace) -> int:
 
     asyncio.run(show())
     return 0
+
+
+def _deploy(args: argparse.Namespace) -> int:
+    from shoal.config import QueueSettings
+    from shoal.deployments import DeploymentError, deploy
+
+    spec = _model_spec(args, name=args.name)
+
+    async def run() -> None:
+        async with _jetstream(args, "shoal-deploy") as js:
+            await deploy(js, spec, QueueSettings())
+
+    try:
+        asyncio.run(run())
+    except DeploymentError as err:
+        raise SystemExit(f"shoal deploy: {err}") from None
+    print(f"deployed {spec.name} ({spec.runtime}, {spec.task.value})")
+    return 0
+
+
+def _undeploy(args: argparse.Namespace) -> int:
+    from shoal.deployments import DeploymentError, undeploy
+
+    async def run() -> None:
+        async with _jetstream(args, "shoal-undeploy") as js:
+            await undeploy(js, args.name)
+
+    try:
+        asyncio.run(run())
+    except DeploymentError as err:
+        raise SystemExit(f"shoal undeploy: {err}") from None
+    print(f"undeployed {args.name}")
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    from shoal.observability.fleet import model_views
+    from shoal.protocol import encode_json
+
+    async def run():
+        async with _jetstream(args, "shoal-models") as js:
+            return await model_views(js)
+
+    views = asyncio.run(run())
+    if args.json:
+        print(encode_json(views).decode())
+        return 0
+    print(
+        f"{'MODEL':<24} {'TASK':<11} {'RUNTIME':<12} {'READY':>5} {'LOADING':>7} "
+        f"{'BACKLOG':>7} {'BATCH':>5}"
+    )
+    for v in views:
+        runtime = f"{v.runtime} (sim)" if v.simulated else v.runtime
+        batch = str(v.batch_budget) if v.batch_budget else "-"
+        print(
+            f"{v.name:<24} {v.task:<11} {runtime:<12} {v.workers_ready:>5} "
+            f"{v.workers_loading:>7} {v.backlog:>7} {batch:>5}"
+        )
+    return 0
+
+
+@contextlib.asynccontextmanager
+async def _jetstream(args: argparse.Namespace, name: str):
+    from shoal.broker.connection import connect
+
+    nc = await connect(resolve_nats_url(args.nats), name=name)
+    try:
+        yield nc.jetstream()
+    finally:
+        await nc.close()
 
 
 def _free_port(host: str) -> int:

@@ -45,15 +45,32 @@ class GatewaySettings:
     retry_after_s: int = 1
     http_server: str = "uvicorn"
     queue: QueueSettings = field(default_factory=QueueSettings)
+    admin_token: str = ""  # empty: the admin API (/admin/models) is off
+
+
+def default_memory_budget_mb() -> float:
+    """Half of this machine's memory: room for the models, the rest for everything else."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**20 / 2
+    except (OSError, ValueError):
+        return 4096.0
 
 
 @dataclass(frozen=True)
 class WorkerSettings:
     nats_url: str
-    model: ModelSpec
-    max_batch_items: int = 128
+    # Models loaded at start and kept (pinned); a fleet worker may start with none.
+    models: tuple[ModelSpec, ...] = ()
+    # 0: profile the model on first load and use the stored profile (zero tuning).
+    max_batch_items: int = 0
     max_batch_tokens: int = 8192
     poll_s: float = 1.0
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0
     queue: QueueSettings = field(default_factory=QueueSettings)
+    # Placement by pulling: load any deployed model that has a backlog nobody serves.
+    fleet: bool = False
+    memory_budget_mb: float = field(default_factory=default_memory_budget_mb)
+    idle_unload_s: float = 600.0  # a placed model with no work this long is unloaded; 0: never
+    min_residency_s: float = 10.0  # a placed model is not evicted sooner (no thrashing)
+    placement_interval_s: float = 0.5

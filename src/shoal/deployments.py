@@ -1,20 +1,116 @@
-"""The gateway's view of which models are deployed, kept current by watching the KV bucket."""
+"""Deployments: the fleet's models, as keys of the `shoal_models` KV bucket.
+
+`shoal deploy`, `shoal undeploy` and the gateway's admin API all go through `deploy` and
+`undeploy` here, so a spec is checked the same way whoever writes it, and nothing invalid is
+written. Gateways and workers follow the bucket with a `ModelDirectory` (a KV watch), so a
+change takes effect everywhere within milliseconds, with no restart.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib.util
 import logging
+from pathlib import Path
 
+import nats.js.errors
+from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from shoal.protocol import ModelSpec, decode_model_spec
+from shoal.broker.jetstream import ensure_model_consumer, ensure_models_kv, ensure_work_stream
+from shoal.config import QueueSettings
+from shoal.protocol import (
+    WORK_STREAM,
+    ModelSpec,
+    decode_model_spec,
+    encode_json,
+    is_valid_model_name,
+    name_token,
+    work_subject,
+)
+from shoal.runtimes import check_runtime
 
 log = logging.getLogger(__name__)
 
 _DELETE_OPS = {"DEL", "PURGE"}
 
 
+class DeploymentError(ValueError):
+    """A deployment that cannot be made: the message says why; nothing was written."""
+
+
+def validate_spec(spec: ModelSpec) -> None:
+    """Raise DeploymentError unless a worker could load this spec.
+
+    A path source is checked where the deployment is made: on a cluster of several machines,
+    use a path every worker has too (a shared volume), or a package.
+    """
+    if not is_valid_model_name(spec.name):
+        raise DeploymentError(
+            f"invalid model name {spec.name!r}: letters, digits and ._:/- , at most 128"
+        )
+    try:
+        check_runtime(spec)
+    except ValueError as err:
+        raise DeploymentError(str(err)) from None
+    if spec.runtime == "sim":
+        return  # a simulated model has no weights
+    if not spec.source:
+        raise DeploymentError(f"runtime {spec.runtime!r} needs a source: a path or package:NAME")
+    if spec.source.startswith("package:"):
+        package = spec.source.removeprefix("package:")
+        if not package or importlib.util.find_spec(package) is None:
+            raise DeploymentError(f"model package {package!r} is not installed")
+    elif not Path(spec.source).expanduser().exists():
+        raise DeploymentError(f"model source {spec.source!r} does not exist")
+
+
+async def deploy(js: JetStreamContext, spec: ModelSpec, queue: QueueSettings) -> None:
+    """Check the spec, then make it known: its queue, its consumer and its KV key."""
+    validate_spec(spec)
+    await ensure_work_stream(js, queue)
+    # The consumer exists before any worker does, so the backlog of a model nobody has
+    # loaded yet can be read (placement by pulling reads it).
+    await ensure_model_consumer(js, spec.name, queue)
+    kv = await ensure_models_kv(js)
+    await kv.put(name_token(spec.name), encode_json(spec))
+
+
+async def undeploy(js: JetStreamContext, name: str) -> None:
+    """Remove a deployment: gateways answer 404 for it, workers drain and unload it.
+
+    Requests still queued for it are dropped from the queue (a worker that holds some answers
+    them first); a client that waits for one gets 504 at its deadline. New requests get 404.
+    """
+    kv = await ensure_models_kv(js)
+    try:
+        await kv.get(name_token(name))
+    except nats.js.errors.KeyNotFoundError:
+        raise DeploymentError(f"no deployment named {name!r}") from None
+    await kv.delete(name_token(name))
+    with contextlib.suppress(nats.js.errors.NotFoundError):
+        await js.purge_stream(WORK_STREAM, subject=work_subject(name))
+
+
+async def list_deployments(js: JetStreamContext) -> list[ModelSpec]:
+    kv = await ensure_models_kv(js)
+    try:
+        keys = await kv.keys()
+    except nats.js.errors.NoKeysError:
+        return []
+    specs = []
+    for key in keys:
+        with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+            entry = await kv.get(key)
+            if entry.value:
+                specs.append(decode_model_spec(entry.value))
+    return sorted(specs, key=lambda spec: spec.name)
+
+
 class ModelDirectory:
+    """The deployed models, kept current by watching the KV bucket."""
+
     def __init__(self) -> None:
         self._models: dict[str, ModelSpec] = {}
         self._by_key: dict[str, str] = {}

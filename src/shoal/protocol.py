@@ -19,6 +19,7 @@ REPLY_SUBJECT_PREFIX = "shoal.reply"
 CANCEL_SUBJECT_PREFIX = "shoal.cancel"
 MODELS_BUCKET = "shoal_models"
 WORKERS_BUCKET = "shoal_workers"
+PROFILES_BUCKET = "shoal_profiles"
 WORKER_STATUS_TTL_S = 15.0
 
 
@@ -132,8 +133,30 @@ class WorkerStatus(msgspec.Struct, kw_only=True):
     cancelled: int = 0
     busy_fraction: float = 0.0
     updated_ms: int = 0
+    # Placement (issue 5): a pinned model was named when the worker started and is never
+    # evicted; memory is what loading the model took (measured; declared by `sim`).
+    pinned: bool = True
+    memory_mb: float = 0.0
+    max_batch: int = 0  # the batch budget in items the worker runs with (tuned or given)
+    last_used_ms: int = 0
+
+
+class BatchProfile(msgspec.Struct, kw_only=True):
+    """A batch budget found by profiling a model on one kind of hardware (the profiles KV)."""
+
+    model: str
+    runtime: str
+    hardware: str
+    max_batch_items: int
+    max_batch_tokens: int
+    # batch size -> items per second and seconds per batch, as measured
+    throughput: dict[int, float] = msgspec.field(default_factory=dict)
+    latency_s: dict[int, float] = msgspec.field(default_factory=dict)
+    profiled_by: str = ""
+    profiled_ms: int = 0
 
 
 encode_json = msgspec.json.Encoder().encode
 decode_model_spec = msgspec.json.Decoder(ModelSpec).decode
 decode_worker_status = msgspec.json.Decoder(WorkerStatus).decode
+decode_batch_profile = msgspec.json.Decoder(BatchProfile).decode

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 from shoal.broker.connection import connect
 from shoal.broker.embedded import EmbeddedNats
-from shoal.broker.jetstream import ensure_models_kv, ensure_work_stream
 from shoal.cluster_file import (
     ClusterInfo,
     read_cluster_info,
@@ -27,13 +26,13 @@ from shoal.cluster_file import (
     write_cluster_info,
 )
 from shoal.config import QueueSettings
+from shoal.deployments import DeploymentError, deploy
 from shoal.observability.fleet import read_worker_statuses
 from shoal.process import child_preexec
 from shoal.protocol import (
     ModelSpec,
     WorkerState,
     encode_json,
-    name_token,
 )
 
 STOP_TIMEOUT_S = 30.0
@@ -84,7 +83,11 @@ class Supervisor:
         if not self.nats_url:
             self.nats = EmbeddedNats(store_dir=state_dir() / "nats")
             self.nats_url = self.nats.start()
-        asyncio.run(self._prepare_queue())
+        try:
+            asyncio.run(self._prepare_queue())
+        except DeploymentError as err:
+            print(f"shoal up: {err}", file=sys.stderr)
+            return 1
         gateway_url = f"http://{options.host}:{options.port}"
         self.gateway = self._spawn(
             ["gateway", "--host", options.host, "--port", str(options.port), *options.gateway_args]
@@ -116,11 +119,10 @@ class Supervisor:
 
     async def _prepare_queue(self) -> None:
         nc = await connect(self.nats_url, name="shoal-up")
-        js = nc.jetstream()
-        await ensure_work_stream(js, QueueSettings())
-        models = await ensure_models_kv(js)
-        await models.put(name_token(self.options.model.name), encode_json(self.options.model))
-        await nc.close()
+        try:
+            await deploy(nc.jetstream(), self.options.model, QueueSettings())
+        finally:
+            await nc.close()
 
     def _spawn_worker(self) -> subprocess.Popen[bytes]:
         spec = self.options.model

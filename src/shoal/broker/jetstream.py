@@ -25,6 +25,7 @@ from nats.js.kv import KeyValue
 from shoal.config import QueueSettings
 from shoal.protocol import (
     MODELS_BUCKET,
+    PROFILES_BUCKET,
     WORK_STREAM,
     WORK_SUBJECT_PREFIX,
     WORKER_STATUS_TTL_S,
@@ -85,6 +86,15 @@ async def ensure_model_consumer(js: JetStreamContext, model: str, queue: QueueSe
     return name
 
 
+async def read_backlog(js: JetStreamContext, model: str) -> int | None:
+    """Requests queued for `model` that no worker has pulled yet; None without a consumer."""
+    try:
+        info = await js.consumer_info(WORK_STREAM, consumer_name(model))
+    except nats.js.errors.NotFoundError:
+        return None
+    return int(info.num_pending or 0)
+
+
 async def ensure_models_kv(js: JetStreamContext) -> KeyValue:
     """Deployments: model name token -> ModelSpec (JSON)."""
     return await _ensure_kv(js, MODELS_BUCKET)
@@ -93,6 +103,11 @@ async def ensure_models_kv(js: JetStreamContext) -> KeyValue:
 async def ensure_workers_kv(js: JetStreamContext) -> KeyValue:
     """Worker status reports; a dead worker's report expires on its own."""
     return await _ensure_kv(js, WORKERS_BUCKET, ttl_s=WORKER_STATUS_TTL_S)
+
+
+async def ensure_profiles_kv(js: JetStreamContext) -> KeyValue:
+    """Batch profiles: (model, runtime, spec, hardware) -> BatchProfile (JSON)."""
+    return await _ensure_kv(js, PROFILES_BUCKET)
 
 
 async def _ensure_kv(js: JetStreamContext, bucket: str, ttl_s: float | None = None) -> KeyValue:

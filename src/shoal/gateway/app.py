@@ -25,8 +25,10 @@ from nats.aio.client import Client
 from shoal.broker.connection import connect
 from shoal.broker.jetstream import ensure_models_kv, ensure_work_stream
 from shoal.config import GatewaySettings
+from shoal.deployments import ModelDirectory
 from shoal.errors import ApiError
-from shoal.gateway.directory import ModelDirectory
+from shoal.gateway.admin import PREFIX as ADMIN_PREFIX
+from shoal.gateway.admin import check_token, handle_admin
 from shoal.gateway.replies import ReplyRouter
 from shoal.gateway.routing import estimate_tokens, read_routing_fields
 from shoal.gateway.streaming import ClientGone, StreamRelay, next_or_gone, wait_for_disconnect
@@ -118,6 +120,8 @@ class Gateway:
             return
         path = scope["path"]
         handler = self._routes.get((scope["method"], path))
+        if handler is None and (path == ADMIN_PREFIX or path.startswith(ADMIN_PREFIX + "/")):
+            handler = self._admin
         try:
             if handler is None:
                 if path in self._paths:
@@ -314,6 +318,15 @@ class Gateway:
             for spec in self.directory.all()
         ]
         await _respond(send, 200, encode_json({"object": "list", "data": data}))
+
+    async def _admin(self, scope: Scope, receive: Receive, send: Send) -> None:
+        check_token(scope["headers"], self.settings.admin_token)
+        body = await _read_body(receive, self.settings.max_body_bytes)
+        js = self._connected_js()
+        status, payload = await handle_admin(
+            scope["method"], scope["path"], body, js, self.settings.queue
+        )
+        await _respond(send, status, payload)
 
     async def _healthz(self, scope: Scope, receive: Receive, send: Send) -> None:
         await _respond(send, 200, b'{"status":"ok"}')

@@ -1,10 +1,12 @@
-"""The worker sidecar: owns the NATS connection, pulling, deadlines, acks, cancels and status.
+"""The worker sidecar: one process, its NATS connection, and the models it has loaded.
 
-The fill loop keeps one pull request outstanding for as many items as the task's scheduler
-has room for (the next embedding batch, or free decode slots), so work arrives while the
-runtime runs. The scheduler (embedding_scheduler, generation_scheduler) turns items into
-runtime calls and answers them. A message is acked only after its result is published; an
-unacked message is redelivered to another worker, so a worker that dies loses nothing.
+Each loaded model is a `ModelServer` (worker/model_server.py) with its own pull loop,
+scheduler and runtime thread. The sidecar starts the models it was given (pinned: kept for
+the life of the process), reports every model's status once a second, follows the
+deployments (a model that is undeployed or changed is drained and unloaded), and, as a fleet
+worker (`--fleet`), places models by pulling (worker/placement.py): it loads deployed models
+with a backlog nobody serves, evicts least recently used idle ones when its memory budget is
+full, and unloads models idle for long (scale to zero).
 """
 
 from __future__ import annotations
@@ -13,14 +15,16 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 import socket
+import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 import nats.js.errors
-from nats.aio.msg import Msg
+from nats.aio.client import Client
 from nats.js.kv import KeyValue
-from prometheus_client import start_http_server
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import Metric
 
 from shoal.broker.connection import connect
 from shoal.broker.jetstream import (
@@ -28,32 +32,26 @@ from shoal.broker.jetstream import (
     ensure_models_kv,
     ensure_work_stream,
     ensure_workers_kv,
+    read_backlog,
 )
-from shoal.broker.puller import Puller
 from shoal.config import WorkerSettings
-from shoal.observability.metrics import BusyMeter, WorkerMetrics
-from shoal.protocol import (
-    WORK_STREAM,
-    ModelSpec,
-    Task,
-    WorkerState,
-    WorkerStatus,
-    cancel_subject,
-    encode_json,
-    name_token,
-    now_ms,
+from shoal.deployments import ModelDirectory
+from shoal.observability.fleet import read_worker_statuses
+from shoal.protocol import ModelSpec, WorkerState, encode_json, name_token
+from shoal.worker.model_server import ModelLoadError, ModelServer
+from shoal.worker.placement import (
+    BacklogHistory,
+    Resident,
+    estimate_memory_mb,
+    evictions,
+    models_to_load,
 )
-from shoal.runtimes import load_runtime
-from shoal.worker.batching import WorkItem
-from shoal.worker.embedding_scheduler import EmbeddingScheduler
-from shoal.worker.embeddings import EmbeddingsHandler
-from shoal.worker.generation_scheduler import GenerationScheduler
-from shoal.worker.outbox import Outbox
-from shoal.worker.scheduler import Scheduler, SchedulerContext
 
 log = logging.getLogger(__name__)
 
 STATUS_INTERVAL_S = 1.0
+
+__all__ = ["ModelLoadError", "WorkerSidecar", "register_model"]
 
 
 async def register_model(kv: KeyValue, spec: ModelSpec) -> None:
@@ -62,27 +60,20 @@ async def register_model(kv: KeyValue, spec: ModelSpec) -> None:
         await kv.create(name_token(spec.name), encode_json(spec))
 
 
-class ModelLoadError(RuntimeError):
-    """The worker's model could not be loaded: a clear message, no traceback needed."""
-
-
 class WorkerSidecar:
-    """One worker process serving one model. `run()` returns after a graceful drain."""
+    """One worker process. `run()` returns after a graceful drain of every model."""
 
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
-        self.spec = settings.model
         self.worker_id = f"{name_token(socket.gethostname())}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.servers: dict[str, ModelServer] = {}
         self._stopping = asyncio.Event()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="shoal-runtime")
-        self._busy = BusyMeter()
-        self._state = WorkerState.LOADING
-        self._simulated = self.spec.runtime == "sim"
-        self._metrics = WorkerMetrics(self.spec.name, self.spec.runtime, self._simulated)
+        self._directory = ModelDirectory()
+        self._history = BacklogHistory()
+        self._measured_mb: dict[str, float] = {}
         self._metrics_url = ""
-        self._scheduler: Scheduler | None = None
-        self._slots = 0
-        self._ctx: SchedulerContext | None = None
+        self._nc: Client | None = None
+        self._workers_kv: KeyValue | None = None
 
     def request_stop(self) -> None:
         """Begin a graceful drain: stop pulling, finish and ack what is held, then exit."""
@@ -90,131 +81,205 @@ class WorkerSidecar:
 
     async def run(self) -> None:
         settings = self.settings
-        nc = await connect(settings.nats_url, name=f"shoal-worker-{self.worker_id}")
+        nc = self._nc = await connect(settings.nats_url, name=f"shoal-worker-{self.worker_id}")
         js = nc.jetstream()
         await ensure_work_stream(js, settings.queue)
-        consumer = await ensure_model_consumer(js, self.spec.name, settings.queue)
-        workers_kv = await ensure_workers_kv(js)
+        self._workers_kv = await ensure_workers_kv(js)
+        models_kv = await ensure_models_kv(js)
+        registry = CollectorRegistry()
+        registry.register(_ModelsCollector(self.servers))
         metrics_server, _ = start_http_server(
-            settings.metrics_port, settings.metrics_host, registry=self._metrics.registry
+            settings.metrics_port, settings.metrics_host, registry=registry
         )
         self._metrics_url = f"http://{settings.metrics_host}:{metrics_server.server_port}/metrics"
-        self._ctx = SchedulerContext(
-            settings, Outbox(nc, self._metrics), self._executor, self._metrics, self._busy
-        )
-        status_task = asyncio.create_task(self._report_status(workers_kv))
-        loop = asyncio.get_running_loop()
+        status_task = asyncio.create_task(self._report_status())
         try:
-            runtime = await loop.run_in_executor(self._executor, load_runtime, self.spec)
-        except Exception as err:
+            for spec in settings.models:
+                await self._load(spec, pinned=True)
+                # Only a model that loaded becomes known to gateways: a bad spec never is.
+                await register_model(models_kv, spec)
+        except ModelLoadError:
             status_task.cancel()
-            with contextlib.suppress(Exception):
-                await workers_kv.delete(self.worker_id)
+            await self._drain_all()
             await nc.close()
             metrics_server.shutdown()
-            raise ModelLoadError(
-                f"cannot load {self.spec.name} on {self.spec.runtime}: {err}"
-            ) from err
-        self._simulated = runtime.simulated
-        scheduler = self._scheduler = self._make_scheduler(runtime)
-        # Only a model that loaded becomes known to gateways: a bad spec is never deployed.
-        await register_model(await ensure_models_kv(js), self.spec)
-        cancels = await nc.subscribe(cancel_subject(self.spec.name), cb=self._on_cancel)
-        puller = Puller(nc, WORK_STREAM, consumer, self._on_message)
-        await puller.start()
-        self._state = WorkerState.READY
-        log.info("worker %s ready for %s (%s)", self.worker_id, self.spec.name, self.spec.runtime)
-        fill_task = asyncio.create_task(self._fill(puller))
-        run_task = asyncio.create_task(scheduler.run())
-        keepalive_task = asyncio.create_task(self._keep_alive())
+            raise
+        await self._directory.start(models_kv)
+        log.info("worker %s ready (%s)", self.worker_id, ", ".join(self.servers) or "fleet")
+        placement_task = asyncio.create_task(self._follow_deployments())
         await self._stopping.wait()
 
-        self._state = WorkerState.DRAINING
-        await fill_task  # ends when its outstanding pull request ends (at most poll_s)
-        scheduler.stop_accepting()
-        await run_task  # answers and acks everything pulled
-        keepalive_task.cancel()
-        await puller.stop()
-        await cancels.unsubscribe()
+        placement_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await placement_task
+        await self._drain_all()
         status_task.cancel()
-        with contextlib.suppress(Exception):
-            await workers_kv.delete(self.worker_id)
+        await self._directory.stop()
         await nc.flush()
         await nc.close()
         metrics_server.shutdown()
-        runtime.close()
-        self._executor.shutdown()
         log.info("worker %s drained and stopped", self.worker_id)
 
-    def _make_scheduler(self, runtime) -> Scheduler:
-        assert self._ctx is not None
-        if self.spec.task is Task.GENERATE:
-            self._slots = runtime.max_sequences
-            return GenerationScheduler(self._ctx, runtime)
-        return EmbeddingScheduler(self._ctx, EmbeddingsHandler(runtime, self.spec.name))
+    # -- loading and unloading ---------------------------------------------------------------
 
-    def _on_message(self, msg: Msg) -> None:
-        assert self._scheduler is not None
-        self._scheduler.accept(WorkItem.from_msg(msg))
+    async def _load(self, spec: ModelSpec, *, pinned: bool) -> ModelServer:
+        assert self._nc is not None and self._workers_kv is not None
+        server = ModelServer(self._nc, self.worker_id, spec, self.settings, pinned=pinned)
+        self.servers[spec.name] = server
+        await server.report(self._workers_kv, self._metrics_url)  # others see it loading
+        try:
+            await server.load()
+        except ModelLoadError:
+            del self.servers[spec.name]
+            await self._forget_status(server)
+            raise
+        self._measured_mb[spec.name] = server.memory_mb
+        await server.report(self._workers_kv, self._metrics_url)
+        return server
 
-    async def _on_cancel(self, msg: Msg) -> None:
-        if self._scheduler is not None:
-            self._scheduler.cancel(msg.data.decode(errors="replace"))
+    async def _unload(self, name: str, reason: str) -> None:
+        server = self.servers.get(name)
+        if server is None:
+            return
+        log.info("unloading %s: %s", name, reason)
+        await server.drain()
+        del self.servers[name]
+        await self._forget_status(server)
 
-    async def _fill(self, puller: Puller) -> None:
-        assert self._scheduler is not None and self._ctx is not None
-        room_changed = self._ctx.room_changed
-        while not self._stopping.is_set():
-            room = self._scheduler.room()
-            if room <= 0:
-                room_changed.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(room_changed.wait(), self.settings.poll_s)
+    async def _drain_all(self) -> None:
+        await asyncio.gather(*(self._unload(name, "stopping") for name in list(self.servers)))
+
+    async def _forget_status(self, server: ModelServer) -> None:
+        assert self._workers_kv is not None
+        with contextlib.suppress(Exception):
+            await self._workers_kv.delete(server.status_key)
+
+    # -- following the deployments, placing by pulling ---------------------------------------
+
+    async def _follow_deployments(self) -> None:
+        settings = self.settings
+        while True:
+            await asyncio.sleep(settings.placement_interval_s)
+            try:
+                await self._unload_stale()
+                if settings.fleet:
+                    await self._unload_idle()
+                    await self._place()
+            except asyncio.CancelledError:
+                raise
+            except ModelLoadError as err:
+                log.warning("%s", err)
+            except Exception:
+                log.exception("placement step failed")
+
+    async def _unload_stale(self) -> None:
+        """Drain models that were undeployed or whose deployment changed."""
+        if not self._directory.loaded.is_set():
+            return
+        for name, server in list(self.servers.items()):
+            if not server.ready:
                 continue
-            try:
-                await puller.pull(room, self.settings.poll_s)
-            except Exception as err:  # a reconnect in progress: try again shortly
-                log.warning("pull failed: %s", err)
-                await asyncio.sleep(0.2)
+            current = self._directory.get(name)
+            if current is None:
+                await self._unload(name, "undeployed")
+            elif current != server.spec:
+                await self._unload(name, "its deployment changed")
+                if server.pinned:
+                    await self._load(current, pinned=True)
 
-    async def _keep_alive(self) -> None:
-        """In-progress acks for everything held, so JetStream does not redeliver running work."""
-        interval = max(0.2, self.settings.queue.ack_wait_s / 3)
-        while True:
-            await asyncio.sleep(interval)
-            held = self._scheduler.held() if self._scheduler is not None else []
-            for item in held:
-                with contextlib.suppress(Exception):
-                    await item.msg.in_progress()
+    async def _unload_idle(self) -> None:
+        limit = self.settings.idle_unload_s
+        if limit <= 0:
+            return
+        for name, server in list(self.servers.items()):
+            if not server.pinned and server.ready and server.idle_s() >= limit:
+                await self._unload(name, f"no work for {limit:g} s")
 
-    async def _report_status(self, kv: KeyValue) -> None:
-        assert self._ctx is not None
-        counters = self._ctx.counters
+    async def _place(self) -> None:
+        assert self._nc is not None
+        js = self._nc.jetstream()
+        deployed = self._directory.all()
+        self._history.forget({spec.name for spec in deployed})
+        backlog = {}
+        for spec in deployed:
+            if spec.name not in self.servers:
+                backlog[spec.name] = await self._backlog(js, spec)
+                self._history.record(spec.name, backlog[spec.name])
+        if not any(backlog.values()):
+            return
+        holders = await self._holders()
+        for spec in models_to_load(deployed, set(self.servers), backlog, holders, self._history):
+            if holders.get(spec.name, 0) == 0 and not await self._still_unserved(spec.name):
+                continue  # another worker took it while we waited our turn
+            if await self._make_room(spec):
+                await self._load(spec, pinned=False)
+                return  # one load per step: the next step sees the fleet anew
+
+    async def _backlog(self, js, spec: ModelSpec) -> int:
+        pending = await read_backlog(js, spec.name)
+        if pending is None:  # deployed by an older component: make its consumer now
+            await ensure_model_consumer(js, spec.name, self.settings.queue)
+            return 0
+        return pending
+
+    async def _holders(self) -> dict[str, int]:
+        """How many other workers hold (or are loading) each model."""
+        assert self._nc is not None
+        counts: dict[str, int] = {}
+        for status in await read_worker_statuses(self._nc.jetstream()):
+            if status.worker_id != self.worker_id and status.state in (
+                WorkerState.LOADING,
+                WorkerState.READY,
+            ):
+                counts[status.model] = counts.get(status.model, 0) + 1
+        return counts
+
+    async def _still_unserved(self, model: str) -> bool:
+        # Idle workers that see the same backlog at the same moment would all load the
+        # model: each waits a random moment (longer the more it holds) and looks again.
+        await asyncio.sleep(random.uniform(0.0, 0.4) + 0.2 * len(self.servers))
+        return (await self._holders()).get(model, 0) == 0
+
+    async def _make_room(self, spec: ModelSpec) -> bool:
+        need = estimate_memory_mb(spec, self._measured_mb)
+        now = time.monotonic()
+        residents = [
+            Resident(name, s.memory_mb, s.idle_s(), now - s.loaded_at, s.pinned)
+            for name, s in self.servers.items()
+            if s.ready
+        ]
+        settings = self.settings
+        chosen = evictions(residents, need, settings.memory_budget_mb, settings.min_residency_s)
+        if chosen is None:
+            log.debug("no room for %s (%.0f MB)", spec.name, need)
+            return False
+        for name in chosen:
+            await self._unload(name, f"evicted (least recently used) to load {spec.name}")
+        return True
+
+    # -- status ------------------------------------------------------------------------------
+
+    async def _report_status(self) -> None:
+        assert self._workers_kv is not None
         while True:
-            busy = self._busy.fraction()
-            self._metrics.busy_fraction.set(busy)
-            status = WorkerStatus(
-                worker_id=self.worker_id,
-                model=self.spec.name,
-                runtime=self.spec.runtime,
-                simulated=self._simulated,
-                pid=os.getpid(),
-                state=self._state,
-                metrics_url=self._metrics_url,
-                items_done=counters.items_done,
-                redelivered=counters.redelivered,
-                batches=counters.batches,
-                max_batch_items=counters.max_batch_items,
-                slots=self._slots,
-                running_sequences=counters.running_sequences,
-                max_running_sequences=counters.max_running_sequences,
-                tokens_generated=counters.tokens_generated,
-                cancelled=counters.cancelled,
-                busy_fraction=round(busy, 4),
-                updated_ms=now_ms(),
-            )
-            try:
-                await kv.put(self.worker_id, encode_json(status))
-            except Exception as err:
-                log.debug("status report failed: %s", err)
+            for server in list(self.servers.values()):
+                await server.report(self._workers_kv, self._metrics_url)
             await asyncio.sleep(STATUS_INTERVAL_S)
+
+
+class _ModelsCollector:
+    """The metrics of every loaded model, served from the process's one /metrics."""
+
+    def __init__(self, servers: dict[str, ModelServer]) -> None:
+        self._servers = servers
+
+    def collect(self):
+        families: dict[str, Metric] = {}
+        for server in list(self._servers.values()):
+            for family in server.metrics.registry.collect():
+                merged = families.get(family.name)
+                if merged is None:
+                    families[family.name] = family
+                else:
+                    merged.samples.extend(family.samples)
+        yield from families.values()

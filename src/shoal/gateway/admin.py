@@ -1,0 +1,98 @@
+"""The admin API: deployments over HTTP, the same operations as `shoal deploy` and friends.
+
+    GET    /admin/models          deployments, workers holding each, backlog, batch budget
+    PUT    /admin/models/{name}   deploy: {"runtime", "source", "task", "options"} (a built-in
+                                  name needs no fields); 200 with the spec written
+    DELETE /admin/models/{name}   undeploy; 404 if there is no such deployment
+
+Every call needs `Authorization: Bearer <admin token>` (`--admin-token` or
+`SHOAL_ADMIN_TOKEN`). A gateway started without a token refuses every admin call (403): the
+API is off unless someone turns it on. Errors come in the OpenAI error shape.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+from urllib.parse import unquote
+
+import msgspec
+from nats.js import JetStreamContext
+
+from shoal.catalog import resolve_model
+from shoal.config import QueueSettings
+from shoal.deployments import DeploymentError, deploy, undeploy
+from shoal.errors import ApiError, invalid_body
+from shoal.observability.fleet import model_views
+from shoal.protocol import ModelSpec, encode_json
+
+PREFIX = "/admin/models"
+
+
+class DeployRequest(msgspec.Struct, forbid_unknown_fields=True):
+    runtime: str | None = None
+    source: str | None = None
+    task: str | None = None
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+_decode_deploy = msgspec.json.Decoder(DeployRequest).decode
+
+
+def check_token(headers: list[tuple[bytes, bytes]], token: str) -> None:
+    """Raise 403 when the admin API is off, 401 when the caller's token is not the token."""
+    if not token:
+        raise ApiError(
+            403,
+            "The admin API is off: start the gateway with --admin-token (or SHOAL_ADMIN_TOKEN)",
+            code="admin_disabled",
+        )
+    given = b""
+    for name, value in headers:
+        if name == b"authorization" and value.startswith(b"Bearer "):
+            given = value.removeprefix(b"Bearer ").strip()
+    if not hmac.compare_digest(given, token.encode()):
+        raise ApiError(401, "A valid admin token is required", code="invalid_admin_token")
+
+
+async def handle_admin(
+    method: str, path: str, body: bytes, js: JetStreamContext, queue: QueueSettings
+) -> tuple[int, bytes]:
+    """Run one admin call (the token was checked); returns (status, JSON body)."""
+    if path == PREFIX:
+        if method != "GET":
+            raise ApiError(405, f"Method {method} is not allowed on {path}")
+        views = await model_views(js)
+        return 200, encode_json({"object": "list", "data": views})
+    name = unquote(path.removeprefix(PREFIX + "/"))
+    if method == "PUT":
+        spec = _spec_from(name, body)
+        try:
+            await deploy(js, spec, queue)
+        except DeploymentError as err:
+            raise ApiError(400, str(err), code="invalid_deployment") from None
+        return 200, encode_json(spec)
+    if method == "DELETE":
+        try:
+            await undeploy(js, name)
+        except DeploymentError as err:
+            raise ApiError(404, str(err), param="model", code="model_not_found") from None
+        return 200, encode_json({"id": name, "object": "model", "deleted": True})
+    raise ApiError(405, f"Method {method} is not allowed on {path}")
+
+
+def _spec_from(name: str, body: bytes) -> ModelSpec:
+    try:
+        request = _decode_deploy(body or b"{}")
+    except (msgspec.ValidationError, msgspec.DecodeError) as err:
+        raise invalid_body(err) from None
+    try:
+        return resolve_model(
+            name,
+            runtime=request.runtime,
+            source=request.source,
+            task=request.task,
+            options=request.options,
+        )
+    except ValueError as err:
+        raise ApiError(400, str(err), code="invalid_deployment") from None

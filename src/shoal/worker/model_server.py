@@ -1,0 +1,265 @@
+"""One model loaded in a worker process: its runtime, scheduler, pull loop and status.
+
+A worker process holds one or more of these (placement by pulling loads and unloads them).
+Each pulls only from its own model's consumer, for as many items as its scheduler has room
+for, runs them on its runtime in its own executor thread, and reports itself in the workers
+KV bucket under `<worker id>.<model token>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.kv import KeyValue
+
+from shoal.broker.jetstream import ensure_model_consumer
+from shoal.broker.puller import Puller
+from shoal.config import WorkerSettings
+from shoal.observability.metrics import BusyMeter, WorkerMetrics
+from shoal.protocol import (
+    WORK_STREAM,
+    ModelSpec,
+    Task,
+    WorkerState,
+    WorkerStatus,
+    cancel_subject,
+    encode_json,
+    name_token,
+    now_ms,
+)
+from shoal.runtimes import load_runtime
+from shoal.worker.batching import WorkItem
+from shoal.worker.embedding_scheduler import EmbeddingScheduler
+from shoal.worker.embeddings import EmbeddingsHandler
+from shoal.worker.generation_scheduler import GenerationScheduler
+from shoal.worker.outbox import Outbox
+from shoal.worker.profiling import BatchBudget, tuned_budget
+from shoal.worker.scheduler import Scheduler, SchedulerContext
+
+log = logging.getLogger(__name__)
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be loaded: a clear message, no traceback needed."""
+
+
+class ModelServer:
+    """Serves one model inside a worker process, from load to drained unload."""
+
+    def __init__(
+        self,
+        nc: Client,
+        worker_id: str,
+        spec: ModelSpec,
+        settings: WorkerSettings,
+        *,
+        pinned: bool,
+    ) -> None:
+        self.nc = nc
+        self.worker_id = worker_id
+        self.spec = spec
+        self.settings = settings
+        self.pinned = pinned
+        self.status_key = f"{worker_id}.{name_token(spec.name)}"
+        self.state = WorkerState.LOADING
+        self.memory_mb = 0.0
+        self.loaded_at = time.monotonic()
+        self.last_used = time.monotonic()
+        self.budget = BatchBudget(settings.max_batch_items or 0, settings.max_batch_tokens)
+        self.metrics = WorkerMetrics(spec.name, spec.runtime, spec.runtime == "sim")
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"shoal-{spec.name}")
+        self._busy = BusyMeter()
+        self._simulated = spec.runtime == "sim"
+        self._runtime = None
+        self._scheduler: Scheduler | None = None
+        self._ctx: SchedulerContext | None = None
+        self._puller: Puller | None = None
+        self._cancels = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = asyncio.Event()
+
+    # -- life cycle ------------------------------------------------------------------------
+
+    async def load(self) -> None:
+        """Load the runtime (in the executor) and start pulling; ModelLoadError if it fails."""
+        settings, spec = self.settings, self.spec
+        js = self.nc.jetstream()
+        consumer = await ensure_model_consumer(js, spec.name, settings.queue)
+        loop = asyncio.get_running_loop()
+        before = _rss_mb()
+        try:
+            runtime = await loop.run_in_executor(self._executor, load_runtime, spec)
+        except Exception as err:
+            self._executor.shutdown(wait=False)
+            raise ModelLoadError(f"cannot load {spec.name} on {spec.runtime}: {err}") from err
+        self._runtime = runtime
+        self._simulated = runtime.simulated
+        # A simulated model declares its footprint; a real one is measured.
+        declared = spec.options.get("memory_mb") if runtime.simulated else None
+        self.memory_mb = float(declared) if declared is not None else max(0.0, _rss_mb() - before)
+        if spec.task is not Task.GENERATE and not settings.max_batch_items:
+            self.budget = await tuned_budget(
+                js, spec, runtime, self._executor, self.worker_id, settings.max_batch_tokens
+            )
+        batch_settings = _with_budget(settings, self.budget)
+        self._ctx = SchedulerContext(
+            batch_settings, Outbox(self.nc, self.metrics), self._executor, self.metrics, self._busy
+        )
+        self._scheduler = self._make_scheduler(runtime)
+        self._cancels = await self.nc.subscribe(cancel_subject(spec.name), cb=self._on_cancel)
+        self._puller = Puller(self.nc, WORK_STREAM, consumer, self._on_message)
+        await self._puller.start()
+        self.state = WorkerState.READY
+        self.loaded_at = self.last_used = time.monotonic()
+        self._tasks = [
+            asyncio.create_task(self._fill()),
+            asyncio.create_task(self._keep_alive()),
+        ]
+        self._run_task = asyncio.create_task(self._scheduler.run())
+        log.info("%s ready on %s (%.0f MB)", spec.name, spec.runtime, self.memory_mb)
+
+    async def drain(self) -> None:
+        """Stop pulling, finish and ack everything held, release the model."""
+        self.state = WorkerState.DRAINING
+        self._stopping.set()
+        if self._scheduler is not None:
+            await self._tasks[0]  # the fill loop ends with its pull request (at most poll_s)
+            self._scheduler.stop_accepting()
+            await self._run_task
+        for task in self._tasks[1:]:
+            task.cancel()
+        if self._puller is not None:
+            await self._puller.stop()
+        if self._cancels is not None:
+            with contextlib.suppress(Exception):
+                await self._cancels.unsubscribe()
+        if self._runtime is not None:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._runtime.close)
+            self._runtime = None
+        self._executor.shutdown()
+
+    # -- what placement reads -------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self.state is WorkerState.READY
+
+    def held(self) -> int:
+        return len(self._scheduler.held()) if self._scheduler is not None else 0
+
+    def idle_s(self) -> float:
+        """Seconds since this model last had work (0 while it holds some)."""
+        if self.held():
+            return 0.0
+        return time.monotonic() - self.last_used
+
+    # -- pulling ---------------------------------------------------------------------------
+
+    def _make_scheduler(self, runtime) -> Scheduler:
+        assert self._ctx is not None
+        if self.spec.task is Task.GENERATE:
+            return GenerationScheduler(self._ctx, runtime)
+        return EmbeddingScheduler(self._ctx, EmbeddingsHandler(runtime, self.spec.name))
+
+    def _on_message(self, msg: Msg) -> None:
+        assert self._scheduler is not None
+        self.last_used = time.monotonic()
+        self._scheduler.accept(WorkItem.from_msg(msg))
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        if self._scheduler is not None:
+            self._scheduler.cancel(msg.data.decode(errors="replace"))
+
+    async def _fill(self) -> None:
+        assert self._scheduler is not None and self._ctx is not None and self._puller
+        room_changed = self._ctx.room_changed
+        while not self._stopping.is_set():
+            room = self._scheduler.room()
+            if room <= 0:
+                room_changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(room_changed.wait(), self.settings.poll_s)
+                continue
+            try:
+                await self._puller.pull(room, self.settings.poll_s)
+            except Exception as err:  # a reconnect in progress: try again shortly
+                log.warning("pull failed: %s", err)
+                await asyncio.sleep(0.2)
+
+    async def _keep_alive(self) -> None:
+        """In-progress acks for everything held, so JetStream does not redeliver running work."""
+        interval = max(0.2, self.settings.queue.ack_wait_s / 3)
+        while True:
+            await asyncio.sleep(interval)
+            held = self._scheduler.held() if self._scheduler is not None else []
+            if held:
+                self.last_used = time.monotonic()
+            for item in held:
+                with contextlib.suppress(Exception):
+                    await item.msg.in_progress()
+
+    # -- status ----------------------------------------------------------------------------
+
+    def status(self, metrics_url: str) -> WorkerStatus:
+        busy = self._busy.fraction()
+        self.metrics.busy_fraction.set(busy)
+        counters = self._ctx.counters if self._ctx is not None else None
+        slots = getattr(self._runtime, "max_sequences", 0) if self.spec.task is Task.GENERATE else 0
+        status = WorkerStatus(
+            worker_id=self.worker_id,
+            model=self.spec.name,
+            runtime=self.spec.runtime,
+            simulated=self._simulated,
+            pid=os.getpid(),
+            state=self.state,
+            metrics_url=metrics_url,
+            slots=slots,
+            busy_fraction=round(busy, 4),
+            updated_ms=now_ms(),
+            pinned=self.pinned,
+            memory_mb=round(self.memory_mb, 1),
+            max_batch=self.budget.max_batch_items,
+            last_used_ms=now_ms() - int(1000 * (time.monotonic() - self.last_used)),
+        )
+        if counters is not None:
+            status.items_done = counters.items_done
+            status.redelivered = counters.redelivered
+            status.batches = counters.batches
+            status.max_batch_items = counters.max_batch_items
+            status.running_sequences = counters.running_sequences
+            status.max_running_sequences = counters.max_running_sequences
+            status.tokens_generated = counters.tokens_generated
+            status.cancelled = counters.cancelled
+        return status
+
+    async def report(self, kv: KeyValue, metrics_url: str) -> None:
+        try:
+            await kv.put(self.status_key, encode_json(self.status(metrics_url)))
+        except Exception as err:
+            log.debug("status report failed: %s", err)
+
+
+def _with_budget(settings: WorkerSettings, budget: BatchBudget) -> WorkerSettings:
+    return replace(
+        settings,
+        max_batch_items=budget.max_batch_items or settings.max_batch_items or 128,
+        max_batch_tokens=budget.max_batch_tokens or settings.max_batch_tokens,
+    )
+
+
+def _rss_mb() -> float:
+    """This process's resident memory, from /proc (Linux); 0 where there is none."""
+    try:
+        with open("/proc/self/statm") as statm:
+            pages = int(statm.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20

@@ -1,0 +1,179 @@
+"""Zero-tuning batches: a short profile on first load picks a model's batch budget.
+
+The first worker to load a model on a kind of hardware times the runtime at batch sizes 1, 2,
+4, ... and picks the smallest size whose throughput is within 5% of the best seen, among sizes
+whose batch time stays within the latency target (`SHOAL_BATCH_LATENCY_TARGET`, seconds,
+default 1). The result goes to the `shoal_profiles` KV bucket under (model, runtime, spec,
+hardware fingerprint); every later worker with the same key reads it instead of profiling.
+Workers that start together race for the key with a KV create: one profiles, the others wait.
+The token budget is not profiled: it bounds memory on long texts and stays as configured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import platform
+import sys
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+
+from shoal.broker.jetstream import ensure_profiles_kv
+from shoal.config import env_default
+from shoal.protocol import (
+    BatchProfile,
+    ModelSpec,
+    decode_batch_profile,
+    encode_json,
+    name_token,
+    now_ms,
+)
+from shoal.runtimes.base import EmbeddingRuntime
+
+log = logging.getLogger(__name__)
+
+PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MIN_SECONDS_PER_SIZE = 0.2
+WITHIN_BEST = 0.95
+WAIT_FOR_OTHER_S = 120.0  # a profile claimed longer ago than this was abandoned
+_PROFILE_TEXT = "Sentence number {i} about pulling work from a shared queue, for profiling."
+
+
+@dataclass(frozen=True, slots=True)
+class BatchBudget:
+    """How much one batch may hold."""
+
+    max_batch_items: int
+    max_batch_tokens: int
+
+
+def hardware_fingerprint() -> str:
+    """The kind of machine a profile holds for: CPU model and cores, and GPU when in use."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    parts = [cpu, f"{os.cpu_count()} cores"]
+    torch = sys.modules.get("torch")  # only when a runtime already imported it
+    if torch is not None and torch.cuda.is_available():
+        parts.append(torch.cuda.get_device_name(0))
+    return ", ".join(parts)
+
+
+def profile_key(spec: ModelSpec, hardware: str) -> str:
+    identity = encode_json([spec.source, spec.options, hardware])
+    digest = hashlib.sha256(identity).hexdigest()[:16]
+    return f"{name_token(spec.name)}.{name_token(spec.runtime)}.{digest}"
+
+
+@dataclass(frozen=True, slots=True)
+class Measurements:
+    throughput: dict[int, float]  # items per second, by batch size
+    latency_s: dict[int, float]  # seconds per batch, by batch size
+    chosen: int
+
+
+def profile_embeddings(runtime: EmbeddingRuntime, latency_target_s: float) -> Measurements:
+    """Time the runtime over batch sizes and pick the budget (runs in the executor thread)."""
+    throughput: dict[int, float] = {}
+    latency: dict[int, float] = {}
+    runtime.embed([_PROFILE_TEXT.format(i=0)])  # warm up
+    for size in PROFILE_SIZES:
+        texts = [_PROFILE_TEXT.format(i=i) for i in range(size)]
+        runs, began = 0, time.perf_counter()
+        while runs < 2 or time.perf_counter() - began < MIN_SECONDS_PER_SIZE:
+            runtime.embed(texts)
+            runs += 1
+        seconds = (time.perf_counter() - began) / runs
+        throughput[size], latency[size] = size / seconds, seconds
+        if seconds > latency_target_s:
+            break  # larger batches only take longer
+    fitting = [s for s in throughput if latency[s] <= latency_target_s] or [1]
+    best = max(throughput[s] for s in fitting)
+    chosen = min(s for s in fitting if throughput[s] >= WITHIN_BEST * best)
+    return Measurements(throughput, latency, chosen)
+
+
+async def tuned_budget(
+    js: JetStreamContext,
+    spec: ModelSpec,
+    runtime: EmbeddingRuntime,
+    executor: Executor,
+    worker_id: str,
+    max_batch_tokens: int,
+) -> BatchBudget:
+    """The model's batch budget from its stored profile, profiling first if there is none."""
+    kv = await ensure_profiles_kv(js)
+    hardware = hardware_fingerprint()
+    key = profile_key(spec, hardware)
+    deadline = time.monotonic() + WAIT_FOR_OTHER_S
+    while True:
+        stored = await _read(kv, key)
+        if stored is not None:
+            return BatchBudget(stored.max_batch_items, max_batch_tokens)
+        if await _claim(kv, key) or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.5)  # another worker is profiling this model: wait for it
+    target = env_default("BATCH_LATENCY_TARGET", 1.0)
+    loop = asyncio.get_running_loop()
+    measured = await loop.run_in_executor(executor, profile_embeddings, runtime, target)
+    profile = BatchProfile(
+        model=spec.name,
+        runtime=spec.runtime,
+        hardware=hardware,
+        max_batch_items=measured.chosen,
+        max_batch_tokens=max_batch_tokens,
+        throughput={s: round(v, 2) for s, v in measured.throughput.items()},
+        latency_s={s: round(v, 5) for s, v in measured.latency_s.items()},
+        profiled_by=worker_id,
+        profiled_ms=now_ms(),
+    )
+    await kv.put(key, encode_json(profile))
+    log.info("%s: profiled, batch budget %d items", spec.name, profile.max_batch_items)
+    return BatchBudget(profile.max_batch_items, max_batch_tokens)
+
+
+async def read_profiles(js: JetStreamContext) -> list[BatchProfile]:
+    """Every stored profile (for `shoal models`)."""
+    kv = await ensure_profiles_kv(js)
+    try:
+        keys = await kv.keys()
+    except nats.js.errors.NoKeysError:
+        return []
+    profiles = []
+    for key in keys:
+        profile = await _read(kv, key)
+        if profile is not None:
+            profiles.append(profile)
+    return profiles
+
+
+async def _read(kv: KeyValue, key: str) -> BatchProfile | None:
+    try:
+        entry = await kv.get(key)
+    except nats.js.errors.KeyNotFoundError:
+        return None
+    if not entry.value:  # claimed, not yet written
+        return None
+    return decode_batch_profile(entry.value)
+
+
+async def _claim(kv: KeyValue, key: str) -> bool:
+    """True when this worker is the one to profile (it created the key)."""
+    try:
+        await kv.create(key, b"")
+    except nats.js.errors.KeyWrongLastSequenceError:
+        return False
+    return True
