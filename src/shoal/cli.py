@@ -12,7 +12,7 @@ import sys
 
 import msgspec
 
-from shoal.catalog import DEFAULT_MODEL, resolve_model
+from shoal.catalog import BUILTIN_MODELS, DEFAULT_MODEL, resolve_model
 from shoal.cluster_file import (
     ClusterInfo,
     remove_cluster_info,
@@ -302,9 +302,16 @@ def _worker(args: argparse.Namespace) -> int:
     given = bool(args.model or args.model_json)
     if not given and not args.fleet:
         args.model = DEFAULT_MODEL
+    models: tuple[ModelSpec, ...] = ()
+    deployed: tuple[str, ...] = ()
+    if _names_a_deployment(args):
+        deployed = (args.model,)  # its spec comes from the cluster's deployments
+    elif given or not args.fleet:
+        models = (_model_spec(args),)
     settings = WorkerSettings(
         nats_url=resolve_nats_url(args.nats),
-        models=(_model_spec(args),) if given or not args.fleet else (),
+        models=models,
+        deployed_models=deployed,
         max_batch_items=args.max_batch_items,
         max_batch_tokens=args.max_batch_tokens,
         metrics_port=args.metrics_port,
@@ -327,6 +334,16 @@ def _worker(args: argparse.Namespace) -> int:
         print(f"shoal worker: {err}", file=sys.stderr)
         return 1
     return 0
+
+
+def _names_a_deployment(args: argparse.Namespace) -> bool:
+    """`--model NAME` alone, for a name that is not built in: a deployment to look up."""
+    return (
+        bool(args.model)
+        and not args.model_json
+        and args.model not in BUILTIN_MODELS
+        and not (args.runtime or args.source or args.task or args.option)
+    )
 
 
 def _nats(args: argparse.Namespace) -> int:

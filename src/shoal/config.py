@@ -61,6 +61,8 @@ class WorkerSettings:
     nats_url: str
     # Models loaded at start and kept (pinned); a fleet worker may start with none.
     models: tuple[ModelSpec, ...] = ()
+    # Models to load at start and keep, named only: their spec is read from the deployments.
+    deployed_models: tuple[str, ...] = ()
     # 0: profile the model on first load and use the stored profile (zero tuning).
     max_batch_items: int = 0
     max_batch_tokens: int = 8192

@@ -7,7 +7,9 @@ decides for itself:
 - load a deployed model that has a backlog and no worker holding it, or whose backlog has
   grown at every look for a while although workers hold it (they cannot keep up);
 - when its memory budget would be exceeded, evict its least recently used models first,
-  but only models that are idle and have been loaded for at least `min_residency_s`, so two
+  but only models loaded for at least `min_residency_s` that are idle, or that another
+  worker holds too (so a model nobody serves is never starved by two workers busy with the
+  same other model); a model that only this worker serves and that has work stays, so two
   workers never pass a model back and forth (no thrashing);
 - unload a placed model that has had no work for `idle_unload_s` (scale to zero).
 
@@ -38,6 +40,7 @@ class Resident:
     idle_s: float
     resident_s: float
     pinned: bool
+    other_holders: int = 0  # other workers that hold it too
 
 
 @dataclass
@@ -91,10 +94,12 @@ def evictions(
         (
             r
             for r in residents
-            if not r.pinned and r.idle_s >= IDLE_FOR_EVICTION_S and r.resident_s >= min_residency_s
+            if not r.pinned
+            and r.resident_s >= min_residency_s
+            and (r.idle_s >= IDLE_FOR_EVICTION_S or r.other_holders > 0)
         ),
-        key=lambda r: r.idle_s,
-        reverse=True,
+        # Models served elsewhere too go first, then the least recently used.
+        key=lambda r: (r.other_holders == 0, -r.idle_s),
     )
     chosen = []
     for resident in evictable:

@@ -37,7 +37,7 @@ from shoal.broker.jetstream import (
 from shoal.config import WorkerSettings
 from shoal.deployments import ModelDirectory
 from shoal.observability.fleet import read_worker_statuses
-from shoal.protocol import ModelSpec, WorkerState, encode_json, name_token
+from shoal.protocol import ModelSpec, WorkerState, decode_model_spec, encode_json, name_token
 from shoal.worker.model_server import ModelLoadError, ModelServer
 from shoal.worker.placement import (
     BacklogHistory,
@@ -94,7 +94,7 @@ class WorkerSidecar:
         self._metrics_url = f"http://{settings.metrics_host}:{metrics_server.server_port}/metrics"
         status_task = asyncio.create_task(self._report_status())
         try:
-            for spec in settings.models:
+            for spec in [*settings.models, *await self._deployed_specs(models_kv)]:
                 await self._load(spec, pinned=True)
                 # Only a model that loaded becomes known to gateways: a bad spec never is.
                 await register_model(models_kv, spec)
@@ -120,13 +120,36 @@ class WorkerSidecar:
         metrics_server.shutdown()
         log.info("worker %s drained and stopped", self.worker_id)
 
+    async def _deployed_specs(self, kv: KeyValue) -> list[ModelSpec]:
+        specs = []
+        for name in self.settings.deployed_models:
+            try:
+                entry = await kv.get(name_token(name))
+            except nats.js.errors.KeyNotFoundError:
+                entry = None
+            if entry is None or not entry.value:
+                raise ModelLoadError(
+                    f"no deployment named {name!r}: deploy it (shoal deploy) or give --runtime"
+                )
+            specs.append(decode_model_spec(entry.value))
+        return specs
+
     # -- loading and unloading ---------------------------------------------------------------
 
     async def _load(self, spec: ModelSpec, *, pinned: bool) -> ModelServer:
+        return await self._finish_load(await self._announce(spec, pinned=pinned))
+
+    async def _announce(self, spec: ModelSpec, *, pinned: bool) -> ModelServer:
+        """Report the model as loading here, so other workers leave it to this one."""
         assert self._nc is not None and self._workers_kv is not None
         server = ModelServer(self._nc, self.worker_id, spec, self.settings, pinned=pinned)
         self.servers[spec.name] = server
-        await server.report(self._workers_kv, self._metrics_url)  # others see it loading
+        await server.report(self._workers_kv, self._metrics_url)
+        return server
+
+    async def _finish_load(self, server: ModelServer) -> ModelServer:
+        assert self._workers_kv is not None
+        spec = server.spec
         try:
             await server.load()
         except ModelLoadError:
@@ -211,9 +234,13 @@ class WorkerSidecar:
         for spec in models_to_load(deployed, set(self.servers), backlog, holders, self._history):
             if holders.get(spec.name, 0) == 0 and not await self._still_unserved(spec.name):
                 continue  # another worker took it while we waited our turn
-            if await self._make_room(spec):
-                await self._load(spec, pinned=False)
+            # Announced before evicting anything: a worker that looks now sees it taken.
+            server = await self._announce(spec, pinned=False)
+            if await self._make_room(spec, holders):
+                await self._finish_load(server)
                 return  # one load per step: the next step sees the fleet anew
+            del self.servers[spec.name]
+            await self._forget_status(server)
 
     async def _backlog(self, js, spec: ModelSpec) -> int:
         pending = await read_backlog(js, spec.name)
@@ -240,11 +267,13 @@ class WorkerSidecar:
         await asyncio.sleep(random.uniform(0.0, 0.4) + 0.2 * len(self.servers))
         return (await self._holders()).get(model, 0) == 0
 
-    async def _make_room(self, spec: ModelSpec) -> bool:
+    async def _make_room(self, spec: ModelSpec, holders: dict[str, int]) -> bool:
         need = estimate_memory_mb(spec, self._measured_mb)
         now = time.monotonic()
         residents = [
-            Resident(name, s.memory_mb, s.idle_s(), now - s.loaded_at, s.pinned)
+            Resident(
+                name, s.memory_mb, s.idle_s(), now - s.loaded_at, s.pinned, holders.get(name, 0)
+            )
             for name, s in self.servers.items()
             if s.ready
         ]
@@ -262,8 +291,9 @@ class WorkerSidecar:
     async def _report_status(self) -> None:
         assert self._workers_kv is not None
         while True:
-            for server in list(self.servers.values()):
-                await server.report(self._workers_kv, self._metrics_url)
+            for name, server in list(self.servers.items()):
+                if self.servers.get(name) is server:  # not unloaded meanwhile
+                    await server.report(self._workers_kv, self._metrics_url)
             await asyncio.sleep(STATUS_INTERVAL_S)
 
 

@@ -1,0 +1,210 @@
+"""Placement by pulling, eviction, scale to zero and profiled batch budgets, on real parts.
+
+Each test has its own nats-server: fleet workers load whatever is deployed on theirs. The
+models are SIMULATED (`sim`), which declare their memory (`memory_mb`), so a worker's budget
+can hold exactly one of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from conftest import Launcher, wait_until, worker_statuses
+
+from shoal.broker.connection import connect
+from shoal.broker.embedded import EmbeddedNats
+from shoal.broker.jetstream import ensure_profiles_kv
+from shoal.config import QueueSettings
+from shoal.deployments import deploy
+from shoal.protocol import ModelSpec, WorkerState, decode_batch_profile
+from shoal.worker.placement import (
+    BacklogHistory,
+    Resident,
+    evictions,
+    models_to_load,
+)
+
+ONE_MODEL_BUDGET = ("--memory-budget-mb", "1000", "--min-residency", "1")
+
+
+@pytest.fixture
+def nats(tmp_path) -> Iterator[EmbeddedNats]:
+    server = EmbeddedNats(store_dir=tmp_path / "nats")
+    server.start()
+    yield server
+    server.stop()
+
+
+def deploy_sim(nats_url: str, name: str, **options: float) -> None:
+    spec = ModelSpec(name=name, runtime="sim", options={"batch_ms": 2.0, **options})
+
+    async def run() -> None:
+        nc = await connect(nats_url, name="test")
+        try:
+            await deploy(nc.jetstream(), spec, QueueSettings())
+        finally:
+            await nc.close()
+
+    asyncio.run(run())
+
+
+def embed(url: str, model: str, text: str = "x") -> httpx.Response:
+    return httpx.post(f"{url}/v1/embeddings", json={"model": model, "input": text}, timeout=30)
+
+
+def holdings(nats_url: str) -> dict[str, set[str]]:
+    """Ready models by worker process."""
+    held: dict[str, set[str]] = {}
+    for status in worker_statuses(nats_url):
+        if status.state is WorkerState.READY:
+            held.setdefault(status.worker_id, set()).add(status.model)
+    return held
+
+
+def test_one_model_budget_loads_evicts_and_loads_again(nats, launcher: Launcher):
+    for name in ("model-a", "model-b"):
+        deploy_sim(nats.url, name, memory_mb=600)
+    _, url = launcher.gateway(nats.url)
+    launcher.spawn("worker", "--nats", nats.url, "--fleet", *ONE_MODEL_BUDGET)
+
+    assert embed(url, "model-a").status_code == 200
+    assert holdings(nats.url).popitem()[1] == {"model-a"}
+    # model-b does not fit beside model-a: model-a (idle now) is evicted, model-b loaded.
+    assert embed(url, "model-b").status_code == 200
+    assert wait_until(lambda: holdings(nats.url), 5).popitem()[1] == {"model-b"}
+    assert embed(url, "model-a").status_code == 200
+    held = wait_until(lambda: (h := holdings(nats.url)) and h, 5)
+    assert list(held.values()) == [{"model-a"}]
+    statuses = worker_statuses(nats.url)
+    assert len(statuses) == 1 and statuses[0].memory_mb == 600 and not statuses[0].pinned
+
+
+def test_scale_to_zero_and_back(nats, launcher: Launcher):
+    deploy_sim(nats.url, "sleepy")
+    _, url = launcher.gateway(nats.url)
+    launcher.spawn("worker", "--nats", nats.url, "--fleet", "--idle-unload", "1")
+    assert embed(url, "sleepy", "first").status_code == 200
+    wait_until(lambda: not holdings(nats.url), 10)  # unloaded after 1 s without work
+    again = embed(url, "sleepy", "second")
+    assert again.status_code == 200
+    assert again.json()["data"][0]["embedding"]
+
+
+def test_placement_is_stable_under_a_steady_mixed_load(nats, launcher: Launcher):
+    for name in ("steady-a", "steady-b"):
+        deploy_sim(nats.url, name, memory_mb=600, batch_ms=5)
+    _, url = launcher.gateway(nats.url)
+    for _ in range(2):
+        launcher.spawn("worker", "--nats", nats.url, "--fleet", *ONE_MODEL_BUDGET)
+    wait_until(lambda: len(worker_statuses(nats.url)) == 0 and True, 1)
+
+    stop = threading.Event()
+    failures: list[int] = []
+
+    def client(model: str) -> None:
+        with httpx.Client(timeout=30) as http:
+            while not stop.is_set():
+                response = http.post(
+                    f"{url}/v1/embeddings", json={"model": model, "input": "steady"}
+                )
+                if response.status_code != 200:
+                    failures.append(response.status_code)
+
+    threads = [
+        threading.Thread(target=client, args=(model,))
+        for model in ("steady-a", "steady-b")
+        for _ in range(4)
+    ]
+    for thread in threads:
+        thread.start()
+    try:
+        # Both models end up served, one per worker (each budget holds one model) ...
+        placed = wait_until(
+            lambda: (
+                (h := holdings(nats.url))
+                and sorted(map(frozenset, h.values()))
+                == sorted([frozenset({"steady-a"}), frozenset({"steady-b"})])
+                and h
+            ),
+            30,
+        )
+        # ... and stay where they are while the load goes on: no thrashing.
+        for _ in range(16):
+            time.sleep(0.5)
+            assert holdings(nats.url) == placed
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert not failures
+
+
+def test_profile_is_computed_once_and_reused(nats, launcher: Launcher):
+    deploy_sim(nats.url, "profiled")
+    first = launcher.worker(nats.url, "profiled")
+
+    async def read_profile():
+        nc = await connect(nats.url, name="test")
+        try:
+            kv = await ensure_profiles_kv(nc.jetstream())
+            keys = await kv.keys()
+            assert len(keys) == 1
+            entry = await kv.get(keys[0])
+            return entry.revision, decode_batch_profile(entry.value)
+        finally:
+            await nc.close()
+
+    revision, profile = asyncio.run(read_profile())
+    assert profile.model == "profiled" and profile.runtime == "sim"
+    assert profile.max_batch_items in profile.throughput
+    assert len(profile.throughput) >= 2  # several batch sizes were timed
+    second = launcher.worker(nats.url, "profiled")
+    assert asyncio.run(read_profile()) == (revision, profile)  # not written again
+    budgets = {s.pid: s.max_batch for s in worker_statuses(nats.url)}
+    assert budgets == {first.pid: profile.max_batch_items, second.pid: profile.max_batch_items}
+
+
+# -- the decisions on their own ---------------------------------------------------------
+
+
+def spec(name: str) -> ModelSpec:
+    return ModelSpec(name=name, runtime="sim")
+
+
+def test_a_model_nobody_holds_is_loaded_first_and_a_held_one_only_when_it_grows():
+    history = BacklogHistory()
+    deployed = [spec("held"), spec("orphan"), spec("quiet")]
+    backlog = {"held": 50, "orphan": 3, "quiet": 0}
+    holders = {"held": 1}
+    chosen = models_to_load(deployed, set(), backlog, holders, history)
+    assert [s.name for s in chosen] == ["orphan"]
+    for pending in (10, 20, 30, 40, 50):
+        history.record("held", pending)
+    chosen = models_to_load(deployed, set(), backlog, holders, history)
+    assert [s.name for s in chosen] == ["orphan", "held"]
+    history.record("held", 45)  # the workers caught up a little: no longer growing
+    assert [s.name for s in models_to_load(deployed, set(), backlog, holders, history)] == [
+        "orphan"
+    ]
+
+
+def test_eviction_takes_least_recently_used_idle_models_and_spares_busy_ones():
+    residents = [
+        Resident("busy", 400, idle_s=0.0, resident_s=60, pinned=False),
+        Resident("old", 300, idle_s=50.0, resident_s=60, pinned=False),
+        Resident("recent", 300, idle_s=5.0, resident_s=60, pinned=False),
+        Resident("pinned", 100, idle_s=99.0, resident_s=60, pinned=True),
+    ]
+    assert evictions(residents, 100, 1200, 10) == []  # fits already
+    assert evictions(residents, 300, 1200, 10) == ["old"]
+    assert evictions(residents, 600, 1200, 10) == ["old", "recent"]
+    assert evictions(residents, 800, 1200, 10) is None  # only busy or pinned left
+    fresh = [Resident("new", 600, idle_s=5.0, resident_s=3, pinned=False)]
+    assert evictions(fresh, 600, 1000, 10) is None  # loaded too recently: no thrashing
+    shared = [Resident("shared", 600, idle_s=0.0, resident_s=60, pinned=False, other_holders=1)]
+    assert evictions(shared, 600, 1000, 10) == ["shared"]  # busy, but served elsewhere too
