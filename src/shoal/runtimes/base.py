@@ -23,8 +23,12 @@ class EmbeddingRuntime(Protocol):
     simulated: bool
     dimensions: int
 
-    def embed(self, texts: list[str]) -> EmbedOutput:
-        """Embed a batch of texts; raises ValueError for input the model cannot take."""
+    def embed(self, texts: list[str], adapters: list[str | None] | None = None) -> EmbedOutput:
+        """Embed a batch of texts; raises ValueError for input the model cannot take.
+
+        `adapters[i]` names the LoRA adapter text i runs with (None: the base model); a batch
+        may mix them. Runtimes without adapters raise ValueError for any name.
+        """
         ...
 
     def close(self) -> None:

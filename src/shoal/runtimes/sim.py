@@ -46,7 +46,9 @@ class SimEmbeddingRuntime:
     def batch_cost_seconds(self, token_counts: list[int]) -> float:
         return self.batch_seconds + self.token_seconds * sum(token_counts)
 
-    def embed(self, texts: list[str]) -> EmbedOutput:
+    def embed(self, texts: list[str], adapters: list[str | None] | None = None) -> EmbedOutput:
+        if adapters and any(adapters):
+            raise ValueError("the simulated runtime has no LoRA adapters")
         token_counts = [simulated_token_count(t) for t in texts]
         started = time.perf_counter()
         vectors = np.stack([pseudo_embedding(t, self.dimensions) for t in texts])

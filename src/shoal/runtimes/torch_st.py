@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -33,15 +34,20 @@ class TorchEmbeddingRuntime:
         self.model = SentenceTransformer(str(resolve_source(source)), device=self.device)
         self.model.eval()
         self.dimensions = int(self.model.get_sentence_embedding_dimension() or 0)
+        self._peft = None  # the transformer wrapped by peft once an adapter is added
+        self._adapters: set[str] = set()
 
-    def embed(self, texts: list[str]) -> EmbedOutput:
+    def embed(self, texts: list[str], adapters: list[str | None] | None = None) -> EmbedOutput:
         # Tokenize once: the attention mask gives usage counts and feeds the forward pass.
         # Sorting by length, as sentence-transformers' encode does, keeps padding small.
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]), reverse=True)
         features = self.model.preprocess([texts[i] for i in order])
         counts_sorted = features["attention_mask"].sum(dim=1).tolist()
         features = self._batch_to_device(features, self.device)
-        with self._torch.inference_mode():
+        with (
+            self._torch.inference_mode(),
+            self._adapters_for([adapters[i] for i in order] if adapters else None),
+        ):
             sorted_vectors = self.model(features)["sentence_embedding"].float().cpu().numpy()
         vectors = np.empty_like(sorted_vectors)
         token_counts = [0] * len(texts)
@@ -49,6 +55,40 @@ class TorchEmbeddingRuntime:
             vectors[original] = sorted_vectors[position]
             token_counts[original] = int(counts_sorted[position])
         return EmbedOutput(vectors, token_counts)
+
+    # -- LoRA adapters ---------------------------------------------------------------------
+
+    def add_adapter(self, name: str, path: str) -> None:
+        """Load a PEFT LoRA adapter beside the base weights (the base is not reloaded)."""
+        from peft import PeftModel
+
+        if name in self._adapters:
+            self.remove_adapter(name)
+        transformer = self.model[0]
+        if self._peft is None:
+            self._peft = PeftModel.from_pretrained(transformer.model, path, adapter_name=name)
+            transformer.model = self._peft
+        else:
+            self._peft.load_adapter(path, adapter_name=name)
+        self._adapters.add(name)
+
+    def remove_adapter(self, name: str) -> None:
+        if self._peft is not None and name in self._adapters:
+            self._peft.delete_adapter(name)
+            self._adapters.discard(name)
+
+    def _adapters_for(self, names: list[str | None] | None):
+        """A context in which row i of the next forward pass runs with adapter names[i]."""
+        if not names or not any(names):
+            return contextlib.nullcontext() if self._peft is None else self._peft.disable_adapter()
+        unknown = {n for n in names if n is not None and n not in self._adapters}
+        if unknown:
+            raise ValueError(f"no adapter {', '.join(sorted(unknown))} is loaded")
+        # peft's mixed-batch inference: each row's LoRA delta is its own adapter's (or none,
+        # "__base__"), while everything else in the model runs once for the whole batch.
+        # PeftModel.forward does the same; sentence-transformers does not pass the names on.
+        rows = [n if n is not None else "__base__" for n in names]
+        return self._peft._enable_peft_forward_hooks(adapter_names=rows)
 
     def close(self) -> None:
         del self.model

@@ -23,6 +23,7 @@ class WorkItem:
     endpoint: Endpoint | None  # None: a header this worker does not know
     stream: bool = False
     deliveries: int = 1
+    adapter: str | None = None  # the LoRA deployment it was sent to, served by its base
 
     @classmethod
     def from_msg(cls, msg: Msg) -> WorkItem:

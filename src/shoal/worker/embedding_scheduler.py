@@ -79,7 +79,10 @@ class EmbeddingScheduler:
         ctx.busy.start()
         try:
             outcome = await asyncio.get_running_loop().run_in_executor(
-                ctx.executor, self._handler.handle, [item.body for item in live]
+                ctx.executor,
+                self._handler.handle,
+                [item.body for item in live],
+                [item.adapter for item in live],
             )
         finally:
             busy_s = ctx.busy.stop()

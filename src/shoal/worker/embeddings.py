@@ -119,7 +119,9 @@ class EmbeddingsHandler:
         self.runtime = runtime
         self.model = model
 
-    def handle(self, bodies: list[bytes]) -> BatchOutcome:
+    def handle(self, bodies: list[bytes], adapters: list[str | None] | None = None) -> BatchOutcome:
+        """Answer each body; `adapters[i]` is the LoRA deployment body i was sent to (or None)."""
+        adapters = adapters or [None] * len(bodies)
         replies: list[Reply | None] = [None] * len(bodies)
         parsed: list[tuple[int, EmbeddingsRequest, list[str]]] = []
         for i, body in enumerate(bodies):
@@ -131,7 +133,7 @@ class EmbeddingsHandler:
             parsed.append((i, request, texts))
         started = time.perf_counter()
         if parsed:
-            self._run(parsed, replies)
+            self._run(parsed, replies, adapters)
         runtime_seconds = time.perf_counter() - started
         done = [
             r if r is not None else Reply.from_error(ApiError(500, "no result")) for r in replies
@@ -139,15 +141,19 @@ class EmbeddingsHandler:
         return BatchOutcome(done, runtime_seconds, sum(len(t) for _, _, t in parsed))
 
     def _run(
-        self, parsed: list[tuple[int, EmbeddingsRequest, list[str]]], replies: list[Reply | None]
+        self,
+        parsed: list[tuple[int, EmbeddingsRequest, list[str]]],
+        replies: list[Reply | None],
+        adapters: list[str | None],
     ) -> None:
         all_texts = [text for _, _, texts in parsed for text in texts]
+        text_adapters = [adapters[index] for index, _, texts in parsed for _ in texts]
         try:
-            output = self.runtime.embed(all_texts)
+            output = self.runtime.embed(all_texts, text_adapters if any(text_adapters) else None)
         except Exception:
             # One item broke the batch: run each alone so only that item fails.
             for index, request, texts in parsed:
-                replies[index] = self._run_alone(request, texts)
+                replies[index] = self._run_alone(request, texts, adapters[index])
             return
         offset = 0
         for index, request, texts in parsed:
@@ -155,16 +161,22 @@ class EmbeddingsHandler:
             replies[index] = Reply(
                 200,
                 encode_response(
-                    request, output.vectors[offset:end], output.token_counts[offset:end], self.model
+                    request,
+                    output.vectors[offset:end],
+                    output.token_counts[offset:end],
+                    adapters[index] or self.model,
                 ),
             )
             offset = end
 
-    def _run_alone(self, request: EmbeddingsRequest, texts: list[str]) -> Reply:
+    def _run_alone(
+        self, request: EmbeddingsRequest, texts: list[str], adapter: str | None
+    ) -> Reply:
         try:
-            output = self.runtime.embed(texts)
+            output = self.runtime.embed(texts, [adapter] * len(texts) if adapter else None)
         except ValueError as err:
             return Reply.from_error(ApiError(400, f"The model cannot take this input: {err}"))
         except Exception as err:
             return Reply.from_error(ApiError(500, f"The runtime failed on this item: {err}"))
-        return Reply(200, encode_response(request, output.vectors, output.token_counts, self.model))
+        model = adapter or self.model
+        return Reply(200, encode_response(request, output.vectors, output.token_counts, model))
