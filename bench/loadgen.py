@@ -202,9 +202,14 @@ class _Run:
             self.idle.append(conn)
 
     def arrive(self, at: float) -> None:
-        if self.idle:
-            self.send(self.idle.popleft(), at)
-            return
+        # Last in, first out: hot connections are reused and cold ones may be closed by the
+        # server's keep-alive timeout; a closed one is dropped here, never sent on.
+        while self.idle:
+            conn = self.idle.pop()
+            if not conn.closed:
+                self.send(conn, at)
+                return
+            self.connections.remove(conn)
         self.backlog.append(at)
         if len(self.connections) + self.opening < self.spec.max_connections:
             self.loop.create_task(self._add_connection())

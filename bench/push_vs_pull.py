@@ -227,7 +227,14 @@ def main() -> None:
         shoal_rps = None
         runs = []
         for name in systems:
-            result = run_system(name, workers, spec, args, shoal_rps)
+            try:
+                result = run_system(name, workers, spec, args, shoal_rps)
+            except Exception as err:
+                if name not in PEERS:
+                    raise
+                # A peer that cannot run here is reported as such, with the reason.
+                print(f"N={workers:<3} {name:<8} FAILED: {err}", flush=True)
+                result = {"system": name, "workers": workers, "error": str(err)}
             if name == "shoal":
                 shoal_rps = result["saturation"]["load"]["rps"]
             runs.append(result)

@@ -29,7 +29,8 @@ LABELS = {
 
 
 def systems_of(entry: dict) -> list[str]:
-    return [s for s in ORDER if s in entry]
+    """The systems measured for one worker count (a peer that failed has only `error`)."""
+    return [s for s in ORDER if s in entry and "saturation" in entry[s]]
 
 
 def saturation_table(data: dict) -> str:
@@ -88,7 +89,7 @@ def scaling_table(data: dict, system: str = "shoal") -> str:
         "|---|---|---|---|---|",
     ]
     for workers, entry in rows:
-        if system not in entry:
+        if system not in systems_of(entry):
             continue
         sat = entry[system]["saturation"]
         rps, cores = sat["load"]["rps"], sat["cores"]
@@ -119,9 +120,11 @@ def plot(data: dict, stem: str, plots: Path) -> list[Path]:
     written = []
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    names = [s for s in ORDER if any(s in e for _, e in rows)]
+    names = [s for s in ORDER if any(s in systems_of(e) for _, e in rows)]
     for name in names:
-        points = [(int(n), e[name]["saturation"]["load"]["rps"]) for n, e in rows if name in e]
+        points = [
+            (int(n), e[name]["saturation"]["load"]["rps"]) for n, e in rows if name in systems_of(e)
+        ]
         ax.plot(*zip(*points, strict=True), marker="o", label=LABELS[name])
     one = next((e["shoal"]["saturation"]["load"]["rps"] for n, e in rows if n == "1"), None)
     if one:

@@ -16,6 +16,7 @@ import argparse
 import base64
 import signal
 import threading
+import time
 
 
 def main() -> None:
@@ -33,7 +34,7 @@ def main() -> None:
     import ray
     from ray import serve
     from starlette.requests import Request
-    from starlette.responses import JSONResponse
+    from starlette.responses import JSONResponse, PlainTextResponse
 
     @serve.deployment(
         num_replicas=args.replicas,
@@ -47,15 +48,30 @@ def main() -> None:
 
             torch.set_num_threads(args.threads)
             self.model = SentenceTransformer(args.model_path, device="cpu")
+            # The same counters Shoal's workers export, so busy fraction and mean batch are
+            # measured the same way (time inside the model call, items per batch).
+            self.busy_s = 0.0
+            self.batches = 0
+            self.items = 0
 
         @serve.batch(
             max_batch_size=args.max_batch_size, batch_wait_timeout_s=args.batch_wait_timeout_s
         )
         async def embed(self, texts: list[str]):
+            started = time.perf_counter()
             vectors = self.model.encode(texts, batch_size=len(texts), convert_to_numpy=True)
+            self.busy_s += time.perf_counter() - started
+            self.batches += 1
+            self.items += len(texts)
             return list(vectors.astype("<f4"))
 
-        async def __call__(self, request: Request) -> JSONResponse:
+        async def __call__(self, request: Request):
+            if request.method == "GET":  # GET /v1/embeddings/metrics
+                return PlainTextResponse(
+                    f"shoal_worker_busy_seconds_total {self.busy_s}\n"
+                    f"shoal_worker_batch_items_sum {self.items}\n"
+                    f"shoal_worker_batch_items_count {self.batches}\n"
+                )
             body = await request.json()
             text = body["input"] if isinstance(body["input"], str) else body["input"][0]
             vector = await self.embed(text)

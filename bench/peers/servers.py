@@ -40,7 +40,8 @@ class PeerServer:
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.metrics_urls: list[str] = []  # peers do not export Shoal's busy counters
+        # The Ray app exports Shoal's busy and batch counters (one replica); Infinity has none.
+        self.metrics_urls = [f"{self.url}/v1/embeddings/metrics"] if name == "ray" else []
         env = {
             **os.environ,
             "OMP_NUM_THREADS": str(threads),

@@ -219,6 +219,9 @@ def serve(app: Any, host: str, port: int) -> None:
         log_level="warning",
         timeout_graceful_shutdown=5,
         backlog=4096,
+        # The router keeps connections to workers open; uvicorn's 5 s default would close idle
+        # ones, and a request sent just as the worker closes one fails.
+        timeout_keep_alive=3600,
     )
     with contextlib.suppress(KeyboardInterrupt):
         uvicorn.Server(config).run()
