@@ -140,13 +140,20 @@ def plot(data: dict, stem: str, plots: Path) -> list[Path]:
 
     for metric, ylabel, key in (
         ("busy", "worker busy fraction (mean; min dashed)", "busy"),
-        ("p99", "p99 latency, ms (log)", "p99"),
+        ("p99", "p99 latency, ms", "p99"),
     ):
         panels = [(n, e) for n, e in rows if any(e[s]["loads"] for s in systems_of(e))]
         if not panels:
             continue
-        fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.6), squeeze=False)
-        for ax, (workers, entry) in zip(axes[0], panels, strict=True):
+        columns = min(4, len(panels))
+        grid_rows = -(-len(panels) // columns)
+        fig, axes = plt.subplots(
+            grid_rows, columns, figsize=(3.4 * columns, 3.2 * grid_rows), squeeze=False
+        )
+        cells = [ax for row in axes for ax in row]
+        for ax in cells[len(panels) :]:
+            ax.set_visible(False)
+        for ax, (workers, entry) in zip(cells, panels, strict=False):
             for i, name in enumerate(systems_of(entry)):
                 loads = entry[name]["loads"]
                 xs = [float(f) for f in loads]
@@ -162,12 +169,13 @@ def plot(data: dict, stem: str, plots: Path) -> list[Path]:
                 else:
                     ys = [loads[f]["load"]["p99_ms"] for f in loads]
                     ax.plot(xs, ys, marker="o", color=color, label=LABELS[name])
-                    ax.set_yscale("log")
+                    ax.set_ylim(bottom=0)
             ax.set_title(f"{workers} workers", fontsize=9)
             ax.set_xlabel("offered load / Shoal's saturation")
             ax.grid(alpha=0.3)
-        axes[0][0].set_ylabel(ylabel)
-        axes[0][-1].legend(fontsize=7)
+        for row in axes:
+            row[0].set_ylabel(ylabel, fontsize=8)
+        cells[0].legend(fontsize=7)
         fig.suptitle(f"{'Busy fraction' if key == 'busy' else 'p99'} vs load, {title}", fontsize=9)
         written.append(_save(fig, plots / f"{stem}_{metric}.png"))
     return written
