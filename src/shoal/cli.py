@@ -162,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     deploy.add_argument("name", help="the name clients use; a built-in name needs no flags")
     _add_nats(deploy)
     _add_spec_flags(deploy)
+    deploy.add_argument("--base", default=None, help="the deployment a LoRA adapter is for")
+    deploy.add_argument("--lora", default=None, help="a PEFT LoRA adapter directory (--base)")
 
     undeploy = commands.add_parser("undeploy", help="remove a deployment")
     undeploy.add_argument("name")
@@ -388,16 +390,22 @@ def _status(args: argparse.Namespace) -> int:
 
 def _deploy(args: argparse.Namespace) -> int:
     from shoal.config import QueueSettings
-    from shoal.deployments import DeploymentError, deploy
+    from shoal.deployments import DeploymentError, deploy, lora_spec
 
-    spec = _model_spec(args, name=args.name)
+    if bool(args.base) != bool(args.lora):
+        raise SystemExit("shoal deploy: --base and --lora go together")
 
-    async def run() -> None:
+    async def run() -> ModelSpec:
         async with _jetstream(args, "shoal-deploy") as js:
+            if args.lora:
+                spec = await lora_spec(js, args.name, args.base, args.lora)
+            else:
+                spec = _model_spec(args, name=args.name)
             await deploy(js, spec, QueueSettings())
+            return spec
 
     try:
-        asyncio.run(run())
+        spec = asyncio.run(run())
     except DeploymentError as err:
         raise SystemExit(f"shoal deploy: {err}") from None
     print(f"deployed {spec.name} ({spec.runtime}, {spec.task.value})")

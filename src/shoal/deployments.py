@@ -66,9 +66,44 @@ def validate_spec(spec: ModelSpec) -> None:
         raise DeploymentError(f"model source {spec.source!r} does not exist")
 
 
+ADAPTER_RUNTIMES = {("torch", "embeddings")}  # (runtime, task) that serve LoRA adapters
+
+
+def validate_adapter(spec: ModelSpec, base: ModelSpec | None) -> None:
+    """Raise DeploymentError unless `spec` is a loadable adapter on an existing base."""
+    if base is None:
+        raise DeploymentError(f"the base model {spec.base!r} is not deployed")
+    if base.base:
+        raise DeploymentError(f"{base.name!r} is itself an adapter: an adapter needs a base")
+    if (base.runtime, base.task.value) not in ADAPTER_RUNTIMES:
+        raise DeploymentError(
+            f"LoRA adapters are served on torch embedding models; {base.name!r} is "
+            f"{base.runtime} {base.task.value}"
+        )
+    config = Path(spec.adapter).expanduser() / "adapter_config.json"
+    if not config.is_file():
+        raise DeploymentError(f"{spec.adapter!r} is not a PEFT adapter (no adapter_config.json)")
+
+
+async def lora_spec(js: JetStreamContext, name: str, base: str, adapter: str) -> ModelSpec:
+    """The deployment of a LoRA adapter on `base`: it serves what its base serves."""
+    base_spec = await read_deployment(js, base)
+    if base_spec is None:
+        raise DeploymentError(f"the base model {base!r} is not deployed")
+    path = str(Path(adapter).expanduser().resolve())
+    return ModelSpec(
+        name=name, runtime=base_spec.runtime, task=base_spec.task, base=base, adapter=path
+    )
+
+
 async def deploy(js: JetStreamContext, spec: ModelSpec, queue: QueueSettings) -> None:
     """Check the spec, then make it known: its queue, its consumer and its KV key."""
-    validate_spec(spec)
+    if spec.base:
+        if not is_valid_model_name(spec.name):
+            raise DeploymentError(f"invalid model name {spec.name!r}")
+        validate_adapter(spec, await read_deployment(js, spec.base))
+    else:
+        validate_spec(spec)
     await ensure_work_stream(js, queue)
     # The consumer exists before any worker does, so the backlog of a model nobody has
     # loaded yet can be read (placement by pulling reads it).
@@ -84,13 +119,25 @@ async def undeploy(js: JetStreamContext, name: str) -> None:
     them first); a client that waits for one gets 504 at its deadline. New requests get 404.
     """
     kv = await ensure_models_kv(js)
-    try:
-        await kv.get(name_token(name))
-    except nats.js.errors.KeyNotFoundError:
-        raise DeploymentError(f"no deployment named {name!r}") from None
+    if await read_deployment(js, name) is None:
+        raise DeploymentError(f"no deployment named {name!r}")
+    adapters = [s.name for s in await list_deployments(js) if s.base == name]
+    if adapters:
+        raise DeploymentError(
+            f"{name!r} is the base of {', '.join(adapters)}: undeploy those adapters first"
+        )
     await kv.delete(name_token(name))
     with contextlib.suppress(nats.js.errors.NotFoundError):
         await js.purge_stream(WORK_STREAM, subject=work_subject(name))
+
+
+async def read_deployment(js: JetStreamContext, name: str) -> ModelSpec | None:
+    kv = await ensure_models_kv(js)
+    try:
+        entry = await kv.get(name_token(name))
+    except nats.js.errors.KeyNotFoundError:
+        return None
+    return decode_model_spec(entry.value) if entry.value else None
 
 
 async def list_deployments(js: JetStreamContext) -> list[ModelSpec]:

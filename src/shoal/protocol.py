@@ -104,6 +104,10 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     task: Task = Task.EMBEDDINGS
     source: str = ""
     options: dict[str, Any] = msgspec.field(default_factory=dict)
+    # A LoRA fine-tune: a PEFT adapter directory on another deployment (the base). Its
+    # requests are served by the base's workers, in the same batches as the base's.
+    base: str = ""
+    adapter: str = ""
 
 
 class WorkerState(StrEnum):

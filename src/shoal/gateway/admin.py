@@ -21,7 +21,7 @@ from nats.js import JetStreamContext
 
 from shoal.catalog import resolve_model
 from shoal.config import QueueSettings
-from shoal.deployments import DeploymentError, deploy, undeploy
+from shoal.deployments import DeploymentError, deploy, lora_spec, undeploy
 from shoal.errors import ApiError, invalid_body
 from shoal.observability.fleet import model_views
 from shoal.protocol import ModelSpec, encode_json
@@ -34,6 +34,8 @@ class DeployRequest(msgspec.Struct, forbid_unknown_fields=True):
     source: str | None = None
     task: str | None = None
     options: dict[str, Any] = msgspec.field(default_factory=dict)
+    base: str | None = None  # with lora: a LoRA adapter directory on this deployment
+    lora: str | None = None
 
 
 _decode_deploy = msgspec.json.Decoder(DeployRequest).decode
@@ -66,8 +68,14 @@ async def handle_admin(
         return 200, encode_json({"object": "list", "data": views})
     name = unquote(path.removeprefix(PREFIX + "/"))
     if method == "PUT":
-        spec = _spec_from(name, body)
+        request = _decode(body)
         try:
+            if request.base or request.lora:
+                if not (request.base and request.lora):
+                    raise DeploymentError("'base' and 'lora' go together")
+                spec = await lora_spec(js, name, request.base, request.lora)
+            else:
+                spec = _spec_from(name, request)
             await deploy(js, spec, queue)
         except DeploymentError as err:
             raise ApiError(400, str(err), code="invalid_deployment") from None
@@ -81,11 +89,14 @@ async def handle_admin(
     raise ApiError(405, f"Method {method} is not allowed on {path}")
 
 
-def _spec_from(name: str, body: bytes) -> ModelSpec:
+def _decode(body: bytes) -> DeployRequest:
     try:
-        request = _decode_deploy(body or b"{}")
+        return _decode_deploy(body or b"{}")
     except (msgspec.ValidationError, msgspec.DecodeError) as err:
         raise invalid_body(err) from None
+
+
+def _spec_from(name: str, request: DeployRequest) -> ModelSpec:
     try:
         return resolve_model(
             name,

@@ -14,8 +14,9 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
+import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
@@ -49,6 +50,16 @@ log = logging.getLogger(__name__)
 
 class ModelLoadError(RuntimeError):
     """The model could not be loaded: a clear message, no traceback needed."""
+
+
+@dataclass
+class _AdapterFeed:
+    """A LoRA deployment served by this model: its own queue, pulled into the same batches."""
+
+    spec: ModelSpec
+    puller: Puller
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    fill: asyncio.Task[None] | None = None
 
 
 class ModelServer:
@@ -85,6 +96,7 @@ class ModelServer:
         self._cancels = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
+        self.adapters: dict[str, _AdapterFeed] = {}
 
     # -- life cycle ------------------------------------------------------------------------
 
@@ -120,7 +132,7 @@ class ModelServer:
         self.state = WorkerState.READY
         self.loaded_at = self.last_used = time.monotonic()
         self._tasks = [
-            asyncio.create_task(self._fill()),
+            asyncio.create_task(self._fill(self._puller, self._stopping)),
             asyncio.create_task(self._keep_alive()),
         ]
         self._run_task = asyncio.create_task(self._scheduler.run())
@@ -130,6 +142,8 @@ class ModelServer:
         """Stop pulling, finish and ack everything held, release the model."""
         self.state = WorkerState.DRAINING
         self._stopping.set()
+        for name in list(self.adapters):
+            await self.detach(name)
         if self._scheduler is not None:
             await self._tasks[0]  # the fill loop ends with its pull request (at most poll_s)
             self._scheduler.stop_accepting()
@@ -178,10 +192,10 @@ class ModelServer:
         if self._scheduler is not None:
             self._scheduler.cancel(msg.data.decode(errors="replace"))
 
-    async def _fill(self) -> None:
-        assert self._scheduler is not None and self._ctx is not None and self._puller
+    async def _fill(self, puller: Puller, stopped: asyncio.Event) -> None:
+        assert self._scheduler is not None and self._ctx is not None
         room_changed = self._ctx.room_changed
-        while not self._stopping.is_set():
+        while not stopped.is_set():
             room = self._scheduler.room()
             if room <= 0:
                 room_changed.clear()
@@ -189,7 +203,7 @@ class ModelServer:
                     await asyncio.wait_for(room_changed.wait(), self.settings.poll_s)
                 continue
             try:
-                await self._puller.pull(room, self.settings.poll_s)
+                await puller.pull(room, self.settings.poll_s)
             except Exception as err:  # a reconnect in progress: try again shortly
                 log.warning("pull failed: %s", err)
                 await asyncio.sleep(0.2)
@@ -205,6 +219,52 @@ class ModelServer:
             for item in held:
                 with contextlib.suppress(Exception):
                     await item.msg.in_progress()
+
+    # -- LoRA adapters ---------------------------------------------------------------------
+
+    async def attach(self, spec: ModelSpec) -> None:
+        """Serve a LoRA deployment on this base: load its adapter, pull its queue."""
+        if spec.name in self.adapters:
+            await self.detach(spec.name)
+        assert self._runtime is not None
+        add_adapter = getattr(self._runtime, "add_adapter", None)
+        if add_adapter is None:
+            raise ModelLoadError(f"{self.spec.runtime} cannot serve the adapter {spec.name}")
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self._executor, add_adapter, spec.name, spec.adapter)
+        except Exception as err:
+            raise ModelLoadError(f"cannot load the adapter {spec.name}: {err}") from err
+        consumer = await ensure_model_consumer(self.nc.jetstream(), spec.name, self.settings.queue)
+
+        def on_message(msg: Msg) -> None:
+            assert self._scheduler is not None
+            self.last_used = time.monotonic()
+            item = WorkItem.from_msg(msg)
+            item.adapter = spec.name
+            self._scheduler.accept(item)
+
+        feed = _AdapterFeed(spec, Puller(self.nc, WORK_STREAM, consumer, on_message))
+        await feed.puller.start()
+        feed.fill = asyncio.create_task(self._fill(feed.puller, feed.stopped))
+        self.adapters[spec.name] = feed
+        log.info("%s: serving the adapter %s", self.spec.name, spec.name)
+
+    async def detach(self, name: str) -> None:
+        """Stop pulling for an adapter; what was pulled for it is still answered."""
+        feed = self.adapters.pop(name, None)
+        if feed is None:
+            return
+        feed.stopped.set()
+        if feed.fill is not None:
+            await feed.fill  # ends with its pull request (at most poll_s)
+        await feed.puller.stop()
+
+    def status_keys(self) -> list[str]:
+        return [self.status_key, *(self._adapter_key(name) for name in self.adapters)]
+
+    def _adapter_key(self, name: str) -> str:
+        return f"{self.worker_id}.{name_token(name)}"
 
     # -- status ----------------------------------------------------------------------------
 
@@ -241,10 +301,17 @@ class ModelServer:
         return status
 
     async def report(self, kv: KeyValue, metrics_url: str) -> None:
-        try:
-            await kv.put(self.status_key, encode_json(self.status(metrics_url)))
-        except Exception as err:
-            log.debug("status report failed: %s", err)
+        """Its status, and one per adapter it serves (they share its counters)."""
+        status = self.status(metrics_url)
+        reports = [(self.status_key, status)]
+        for name in list(self.adapters):
+            adapter_status = msgspec.structs.replace(status, model=name)
+            reports.append((self._adapter_key(name), adapter_status))
+        for key, report in reports:
+            try:
+                await kv.put(key, encode_json(report))
+            except Exception as err:
+                log.debug("status report failed: %s", err)
 
 
 def _with_budget(settings: WorkerSettings, budget: BatchBudget) -> WorkerSettings:

@@ -154,7 +154,7 @@ class WorkerSidecar:
             await server.load()
         except ModelLoadError:
             del self.servers[spec.name]
-            await self._forget_status(server)
+            await self._forget_status(server.status_keys())
             raise
         self._measured_mb[spec.name] = server.memory_mb
         await server.report(self._workers_kv, self._metrics_url)
@@ -165,17 +165,19 @@ class WorkerSidecar:
         if server is None:
             return
         log.info("unloading %s: %s", name, reason)
+        keys = server.status_keys()
         await server.drain()
         del self.servers[name]
-        await self._forget_status(server)
+        await self._forget_status(keys)
 
     async def _drain_all(self) -> None:
         await asyncio.gather(*(self._unload(name, "stopping") for name in list(self.servers)))
 
-    async def _forget_status(self, server: ModelServer) -> None:
+    async def _forget_status(self, keys: list[str]) -> None:
         assert self._workers_kv is not None
-        with contextlib.suppress(Exception):
-            await self._workers_kv.delete(server.status_key)
+        for key in keys:
+            with contextlib.suppress(Exception):
+                await self._workers_kv.delete(key)
 
     # -- following the deployments, placing by pulling ---------------------------------------
 
@@ -185,6 +187,7 @@ class WorkerSidecar:
             await asyncio.sleep(settings.placement_interval_s)
             try:
                 await self._unload_stale()
+                await self._follow_adapters()
                 if settings.fleet:
                     await self._unload_idle()
                     await self._place()
@@ -210,6 +213,22 @@ class WorkerSidecar:
                 if server.pinned:
                     await self._load(current, pinned=True)
 
+    async def _follow_adapters(self) -> None:
+        """Serve every LoRA deployment whose base is loaded here; stop serving removed ones."""
+        if not self._directory.loaded.is_set():
+            return
+        wanted = {s.name: s for s in self._directory.all() if s.base}
+        for server in self.servers.values():
+            if not server.ready:
+                continue
+            for name, feed in list(server.adapters.items()):
+                if wanted.get(name) != feed.spec:
+                    await server.detach(name)
+                    await self._forget_status([f"{self.worker_id}.{name_token(name)}"])
+            for spec in wanted.values():
+                if spec.base == server.spec.name and spec.name not in server.adapters:
+                    await server.attach(spec)
+
     async def _unload_idle(self) -> None:
         limit = self.settings.idle_unload_s
         if limit <= 0:
@@ -221,13 +240,17 @@ class WorkerSidecar:
     async def _place(self) -> None:
         assert self._nc is not None
         js = self._nc.jetstream()
-        deployed = self._directory.all()
+        everything = self._directory.all()
+        # An adapter is served by its base's workers: its backlog counts as the base's.
+        deployed = [spec for spec in everything if not spec.base]
         self._history.forget({spec.name for spec in deployed})
-        backlog = {}
-        for spec in deployed:
-            if spec.name not in self.servers:
-                backlog[spec.name] = await self._backlog(js, spec)
-                self._history.record(spec.name, backlog[spec.name])
+        backlog: dict[str, int] = {}
+        for spec in everything:
+            target = spec.base or spec.name
+            if target not in self.servers:
+                backlog[target] = backlog.get(target, 0) + await self._backlog(js, spec)
+        for name, pending in backlog.items():
+            self._history.record(name, pending)
         if not any(backlog.values()):
             return
         holders = await self._holders()
@@ -240,7 +263,7 @@ class WorkerSidecar:
                 await self._finish_load(server)
                 return  # one load per step: the next step sees the fleet anew
             del self.servers[spec.name]
-            await self._forget_status(server)
+            await self._forget_status(server.status_keys())
 
     async def _backlog(self, js, spec: ModelSpec) -> int:
         pending = await read_backlog(js, spec.name)
