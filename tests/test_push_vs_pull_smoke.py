@@ -33,7 +33,7 @@ def test_push_vs_pull_smoke(tmp_path: Path):
             f"--out={out}",
         ],
         cwd=ROOT,
-        env={**os.environ, **TEST_ENV, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, **TEST_ENV, "PYTHONPATH": _pythonpath()},
         check=True,
         timeout=180,
     )
@@ -53,3 +53,8 @@ def test_push_vs_pull_smoke(tmp_path: Path):
             assert all(0.0 <= f <= 1.05 for f in workers["busy_fractions"])
             assert workers["items"] >= 1 and workers["mean_batch"] >= 1
         assert runs[name]["saturation"]["load"]["rps"] > 0
+
+
+def _pythonpath() -> str:
+    """The repository root (for `bench`), after whatever PYTHONPATH the run was given."""
+    return os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))
