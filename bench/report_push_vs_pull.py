@@ -140,7 +140,7 @@ def plot(data: dict, stem: str, plots: Path) -> list[Path]:
 
     for metric, ylabel, key in (
         ("busy", "worker busy fraction (mean; min dashed)", "busy"),
-        ("p99", "p99 latency, ms", "p99"),
+        ("p99", "p99 latency, ms (log where the spread is wide)", "p99"),
     ):
         panels = [(n, e) for n, e in rows if any(e[s]["loads"] for s in systems_of(e))]
         if not panels:
@@ -169,7 +169,13 @@ def plot(data: dict, stem: str, plots: Path) -> list[Path]:
                 else:
                     ys = [loads[f]["load"]["p99_ms"] for f in loads]
                     ax.plot(xs, ys, marker="o", color=color, label=LABELS[name])
-                    ax.set_ylim(bottom=0)
+            if key == "p99":
+                low, high = min(ax.dataLim.y0, ax.dataLim.y1), max(ax.dataLim.y0, ax.dataLim.y1)
+                # A peer that times out (tens of seconds) would flatten the others: log scale.
+                if low > 0 and high / low > 20:
+                    ax.set_yscale("log")
+                else:
+                    ax.set_ylim(0, high * 1.05)
             ax.set_title(f"{workers} workers", fontsize=9)
             ax.set_xlabel("offered load / Shoal's saturation")
             ax.grid(alpha=0.3)
