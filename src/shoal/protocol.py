@@ -44,6 +44,7 @@ class Task(StrEnum):
 
     EMBEDDINGS = "embeddings"
     GENERATE = "generate"
+    RERANK = "rerank"  # a cross-encoder: scores (query, document) pairs
 
 
 class Endpoint(StrEnum):
@@ -52,10 +53,19 @@ class Endpoint(StrEnum):
     EMBEDDINGS = "embeddings"
     COMPLETIONS = "completions"
     CHAT_COMPLETIONS = "chat.completions"
+    RERANK = "rerank"
 
-    @property
-    def task(self) -> Task:
-        return Task.EMBEDDINGS if self is Endpoint.EMBEDDINGS else Task.GENERATE
+    def served_by(self, task: Task) -> bool:
+        """Whether a deployment of that task answers this endpoint."""
+        return self in TASK_ENDPOINTS[task]
+
+
+# An embedding model also reranks (cosine of query and document vectors).
+TASK_ENDPOINTS: dict[Task, frozenset[Endpoint]] = {
+    Task.EMBEDDINGS: frozenset({Endpoint.EMBEDDINGS, Endpoint.RERANK}),
+    Task.GENERATE: frozenset({Endpoint.COMPLETIONS, Endpoint.CHAT_COMPLETIONS}),
+    Task.RERANK: frozenset({Endpoint.RERANK}),
+}
 
 
 _SAFE_TOKEN_CHAR = re.compile(r"[A-Za-z0-9-]")

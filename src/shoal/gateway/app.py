@@ -54,7 +54,11 @@ _JSON = (b"content-type", b"application/json")
 _TEXT = (b"content-type", b"text/plain; version=0.0.4; charset=utf-8")
 _QUEUE_FULL_CODES = {10077, 10047, 10078}  # max msgs per subject / max msgs / max bytes
 _CLIENT_CLOSED = 499  # nginx's status for "client closed request": metrics only
-_ROUTE_OF_TASK = {Task.EMBEDDINGS: "/v1/embeddings", Task.GENERATE: "/v1/chat/completions"}
+_ROUTE_OF_TASK = {
+    Task.EMBEDDINGS: "/v1/embeddings",
+    Task.GENERATE: "/v1/chat/completions",
+    Task.RERANK: "/v1/rerank",
+}
 
 
 class Gateway:
@@ -74,6 +78,7 @@ class Gateway:
             ("POST", "/v1/embeddings"): partial(self._inference, Endpoint.EMBEDDINGS),
             ("POST", "/v1/completions"): partial(self._inference, Endpoint.COMPLETIONS),
             ("POST", "/v1/chat/completions"): partial(self._inference, Endpoint.CHAT_COMPLETIONS),
+            ("POST", "/v1/rerank"): partial(self._inference, Endpoint.RERANK),
             ("GET", "/v1/models"): self._models,
             ("GET", "/healthz"): self._healthz,
             ("GET", "/readyz"): self._readyz,
@@ -155,7 +160,7 @@ class Gateway:
             fields = read_routing_fields(body)
             self._check_model(fields.model, endpoint)
             model_label = fields.model
-            if endpoint is Endpoint.EMBEDDINGS:
+            if endpoint in (Endpoint.EMBEDDINGS, Endpoint.RERANK):  # never streamed
                 status, payload = await self._dispatch(fields.model, endpoint, body)
                 await _respond(send, status, payload)
             elif fields.stream:
@@ -182,7 +187,7 @@ class Gateway:
             raise ApiError(
                 404, f"The model '{model}' does not exist", param="model", code="model_not_found"
             )
-        if spec.task is not endpoint.task:
+        if not endpoint.served_by(spec.task):
             raise ApiError(
                 400,
                 f"The model '{model}' serves {spec.task.value}: use {_ROUTE_OF_TASK[spec.task]}",

@@ -91,3 +91,29 @@ class GenerationRuntime(Protocol):
     def close(self) -> None:
         """Release what the model holds."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreOutput:
+    """Relevance scores for a list of (query, document) pairs, and the tokens each pair used."""
+
+    scores: np.ndarray  # float32, shape (len(pairs),)
+    token_counts: list[int]
+
+
+class ScoringRuntime(Protocol):
+    """A loaded cross-encoder: reads a query and a document together and scores the pair.
+
+    `score` is called from one executor thread at a time.
+    """
+
+    name: str
+    simulated: bool
+
+    def score(self, pairs: list[tuple[str, str]]) -> ScoreOutput:
+        """Score a batch of pairs; raises ValueError for input the model cannot take."""
+        ...
+
+    def close(self) -> None:
+        """Release what the model holds."""
+        ...

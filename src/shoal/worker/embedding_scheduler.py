@@ -1,4 +1,5 @@
-"""Batches for embeddings: take what was pulled within the item and token budgets, run it.
+"""Batches for embeddings and rerank: take what was pulled within the item and token budgets,
+run it as one handler call.
 
 The fill loop keeps one pull request outstanding for as many items as the next batch has room
 for, so while the runtime executes one batch the next is already arriving and the runtime
@@ -10,21 +11,56 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from typing import Protocol
 
-from shoal.protocol import Task, now_ms
+from shoal.protocol import Endpoint, ModelSpec, Task, now_ms
+from shoal.runtimes import is_scoring
 from shoal.worker.batching import WorkItem, take_batch
-from shoal.worker.embeddings import EmbeddingsHandler
+from shoal.worker.cross_encoder import RerankHandler
+from shoal.worker.embeddings import BatchOutcome, EmbeddingsHandler
 from shoal.worker.scheduler import SchedulerContext, reject_if_unservable
 
 log = logging.getLogger(__name__)
 
 
-class EmbeddingScheduler:
-    """Runs pulled embeddings requests batch by batch (implements `Scheduler`)."""
+class BatchHandler(Protocol):
+    """Answers a whole batch of bodies in the executor thread (one runtime call)."""
 
-    def __init__(self, ctx: SchedulerContext, handler: EmbeddingsHandler) -> None:
+    def handle(
+        self,
+        bodies: list[bytes],
+        adapters: list[str | None] | None = None,
+        endpoints: list[Endpoint | None] | None = None,
+    ) -> BatchOutcome: ...
+
+
+def make_scheduler(ctx: SchedulerContext, spec: ModelSpec, runtime) -> EmbeddingScheduler:
+    """The scheduler for a deployment that is not generative: embeddings or rerank."""
+    if spec.task is Task.RERANK:
+        return EmbeddingScheduler(ctx, RerankHandler(runtime, spec.name), Task.RERANK)
+    return EmbeddingScheduler(ctx, EmbeddingsHandler(runtime, spec.name), spec.task)
+
+
+class EmbeddingScheduler:
+    """Runs pulled embeddings and rerank requests batch by batch (implements `Scheduler`).
+
+    `task` is the deployment's: it decides which endpoints run here. Without it, the task
+    follows from the runtime, so that `EmbeddingScheduler(ctx, EmbeddingsHandler(runtime,
+    name))` also serves a cross-encoder (`make_scheduler` is the plain way).
+    """
+
+    def __init__(
+        self, ctx: SchedulerContext, handler: BatchHandler, task: Task | None = None
+    ) -> None:
+        if task is None:
+            task = Task.EMBEDDINGS
+            if isinstance(handler, EmbeddingsHandler) and is_scoring(handler.runtime):
+                # The caller wrapped a cross-encoder as it wraps every non-generative model.
+                handler = RerankHandler(handler.runtime, handler.model)  # type: ignore[arg-type]
+                task = Task.RERANK
         self._ctx = ctx
         self._handler = handler
+        self._task = task
         self._pending: deque[WorkItem] = deque()
         self._running: list[WorkItem] = []
         self._arrived = asyncio.Event()
@@ -67,9 +103,7 @@ class EmbeddingScheduler:
 
     async def _run_batch(self, batch: list[WorkItem]) -> None:
         ctx = self._ctx
-        live = [
-            item for item in batch if not await reject_if_unservable(ctx, item, Task.EMBEDDINGS)
-        ]
+        live = [item for item in batch if not await reject_if_unservable(ctx, item, self._task)]
         if not live:
             return
         now = now_ms()
@@ -83,6 +117,7 @@ class EmbeddingScheduler:
                 self._handler.handle,
                 [item.body for item in live],
                 [item.adapter for item in live],
+                [item.endpoint for item in live],
             )
         finally:
             busy_s = ctx.busy.stop()

@@ -1,5 +1,7 @@
 """The embeddings task: decode and validate OpenAI requests, run them as one batch, encode.
 
+An embedding model also answers rerank requests (worker/rerank.py), by cosine similarity.
+
 This is where a request body is decoded, once (invariant 5). It knows the runtime interface
 and nothing of NATS, so it runs in the executor thread and is tested on its own.
 """
@@ -15,9 +17,15 @@ import msgspec
 import numpy as np
 
 from shoal.errors import ApiError, invalid_body
-from shoal.protocol import encode_json
+from shoal.protocol import Endpoint, encode_json
 from shoal.runtimes.base import EmbeddingRuntime
 from shoal.worker.outbox import Reply
+from shoal.worker.rerank import (
+    RerankJob,
+    cosine_scores,
+    encode_rerank_response,
+    parse_rerank_request,
+)
 
 MAX_INPUTS_PER_REQUEST = 2048
 
@@ -112,71 +120,94 @@ def encode_response(
     return encode_json(EmbeddingsResponse(data, model, Usage(tokens, tokens)))
 
 
+@dataclass(slots=True)
+class _Job:
+    """One valid item: the texts it needs embedded, and how its answer is written."""
+
+    index: int
+    texts: list[str]
+    request: EmbeddingsRequest | RerankJob
+
+    def encode(self, vectors: np.ndarray, token_counts: list[int], model: str) -> bytes:
+        if isinstance(self.request, RerankJob):
+            # texts[0] is the query, the rest are the documents in order.
+            scores = cosine_scores(vectors[0], vectors[1:])
+            return encode_rerank_response(self.request, scores, sum(token_counts), model)
+        return encode_response(self.request, vectors, token_counts, model)
+
+
 class EmbeddingsHandler:
-    """Runs a batch of embeddings requests on one runtime call; isolates bad items."""
+    """Runs a batch of requests to an embedding model on one runtime call; isolates bad items.
+
+    It answers embeddings requests and rerank requests (cosine of query and documents); a
+    batch may mix both, and every text of the batch goes into the same `embed` call.
+    """
 
     def __init__(self, runtime: EmbeddingRuntime, model: str) -> None:
         self.runtime = runtime
         self.model = model
 
-    def handle(self, bodies: list[bytes], adapters: list[str | None] | None = None) -> BatchOutcome:
-        """Answer each body; `adapters[i]` is the LoRA deployment body i was sent to (or None)."""
+    def handle(
+        self,
+        bodies: list[bytes],
+        adapters: list[str | None] | None = None,
+        endpoints: list[Endpoint | None] | None = None,
+    ) -> BatchOutcome:
+        """Answer each body; `adapters[i]` is the LoRA deployment body i was sent to (or None).
+
+        `endpoints[i]` says how body i is decoded (default: embeddings).
+        """
         adapters = adapters or [None] * len(bodies)
+        endpoints = endpoints or [Endpoint.EMBEDDINGS] * len(bodies)
         replies: list[Reply | None] = [None] * len(bodies)
-        parsed: list[tuple[int, EmbeddingsRequest, list[str]]] = []
+        jobs: list[_Job] = []
         for i, body in enumerate(bodies):
             try:
-                request, texts = parse_request(body, self.runtime.dimensions)
+                jobs.append(self._parse(i, body, endpoints[i]))
             except ApiError as err:
                 replies[i] = Reply.from_error(err)
-                continue
-            parsed.append((i, request, texts))
         started = time.perf_counter()
-        if parsed:
-            self._run(parsed, replies, adapters)
+        if jobs:
+            self._run(jobs, replies, adapters)
         runtime_seconds = time.perf_counter() - started
         done = [
             r if r is not None else Reply.from_error(ApiError(500, "no result")) for r in replies
         ]
-        return BatchOutcome(done, runtime_seconds, sum(len(t) for _, _, t in parsed))
+        return BatchOutcome(done, runtime_seconds, sum(len(job.texts) for job in jobs))
+
+    def _parse(self, index: int, body: bytes, endpoint: Endpoint | None) -> _Job:
+        if endpoint is Endpoint.RERANK:
+            rerank = parse_rerank_request(body)
+            return _Job(index, [rerank.query, *rerank.documents], rerank)
+        request, texts = parse_request(body, self.runtime.dimensions)
+        return _Job(index, texts, request)
 
     def _run(
-        self,
-        parsed: list[tuple[int, EmbeddingsRequest, list[str]]],
-        replies: list[Reply | None],
-        adapters: list[str | None],
+        self, jobs: list[_Job], replies: list[Reply | None], adapters: list[str | None]
     ) -> None:
-        all_texts = [text for _, _, texts in parsed for text in texts]
-        text_adapters = [adapters[index] for index, _, texts in parsed for _ in texts]
+        all_texts = [text for job in jobs for text in job.texts]
+        text_adapters = [adapters[job.index] for job in jobs for _ in job.texts]
         try:
             output = self.runtime.embed(all_texts, text_adapters if any(text_adapters) else None)
         except Exception:
             # One item broke the batch: run each alone so only that item fails.
-            for index, request, texts in parsed:
-                replies[index] = self._run_alone(request, texts, adapters[index])
+            for job in jobs:
+                replies[job.index] = self._run_alone(job, adapters[job.index])
             return
         offset = 0
-        for index, request, texts in parsed:
-            end = offset + len(texts)
-            replies[index] = Reply(
-                200,
-                encode_response(
-                    request,
-                    output.vectors[offset:end],
-                    output.token_counts[offset:end],
-                    adapters[index] or self.model,
-                ),
-            )
+        for job in jobs:
+            end = offset + len(job.texts)
+            model = adapters[job.index] or self.model
+            vectors, counts = output.vectors[offset:end], output.token_counts[offset:end]
+            replies[job.index] = Reply(200, job.encode(vectors, counts, model))
             offset = end
 
-    def _run_alone(
-        self, request: EmbeddingsRequest, texts: list[str], adapter: str | None
-    ) -> Reply:
+    def _run_alone(self, job: _Job, adapter: str | None) -> Reply:
         try:
-            output = self.runtime.embed(texts, [adapter] * len(texts) if adapter else None)
+            output = self.runtime.embed(job.texts, [adapter] * len(job.texts) if adapter else None)
         except ValueError as err:
             return Reply.from_error(ApiError(400, f"The model cannot take this input: {err}"))
         except Exception as err:
             return Reply.from_error(ApiError(500, f"The runtime failed on this item: {err}"))
         model = adapter or self.model
-        return Reply(200, encode_response(request, output.vectors, output.token_counts, model))
+        return Reply(200, job.encode(output.vectors, output.token_counts, model))

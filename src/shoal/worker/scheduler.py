@@ -75,9 +75,12 @@ class Scheduler(Protocol):
 
 
 async def reject_if_unservable(ctx: SchedulerContext, item: WorkItem, task: Task) -> bool:
-    """Answer and ack an item that cannot run here (expired, wrong endpoint): True if so."""
+    """Answer and ack an item that cannot run here (expired, wrong endpoint): True if so.
+
+    `task` is the deployment's task; it decides which endpoints run here (`Endpoint.served_by`).
+    """
     error = None
-    if item.endpoint is None or item.endpoint.task is not task:
+    if item.endpoint is None or not item.endpoint.served_by(task):
         endpoint = item.endpoint.value if item.endpoint else "unknown"
         error = ApiError(400, f"This model serves {task.value}, not {endpoint}", param="model")
     elif item.expired(now_ms()):
