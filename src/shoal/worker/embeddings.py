@@ -18,7 +18,7 @@ import numpy as np
 
 from shoal.errors import ApiError, invalid_body
 from shoal.protocol import Endpoint, encode_json
-from shoal.runtimes.base import EmbeddingRuntime
+from shoal.runtimes.base import EmbeddingRuntime, EmbedOutput
 from shoal.worker.outbox import Reply
 from shoal.worker.rerank import (
     RerankJob,
@@ -188,7 +188,7 @@ class EmbeddingsHandler:
         all_texts = [text for job in jobs for text in job.texts]
         text_adapters = [adapters[job.index] for job in jobs for _ in job.texts]
         try:
-            output = self.runtime.embed(all_texts, text_adapters if any(text_adapters) else None)
+            output = self._embed(all_texts, text_adapters if any(text_adapters) else None)
         except Exception:
             # One item broke the batch: run each alone so only that item fails.
             for job in jobs:
@@ -202,9 +202,14 @@ class EmbeddingsHandler:
             replies[job.index] = Reply(200, job.encode(vectors, counts, model))
             offset = end
 
+    def _embed(self, texts: list[str], adapters: list[str | None] | None) -> EmbedOutput:
+        # Adapters are passed only when some text has one: a runtime without LoRA support
+        # (or one written before it) takes the texts alone.
+        return self.runtime.embed(texts, adapters) if adapters else self.runtime.embed(texts)
+
     def _run_alone(self, job: _Job, adapter: str | None) -> Reply:
         try:
-            output = self.runtime.embed(job.texts, [adapter] * len(job.texts) if adapter else None)
+            output = self._embed(job.texts, [adapter] * len(job.texts) if adapter else None)
         except ValueError as err:
             return Reply.from_error(ApiError(400, f"The model cannot take this input: {err}"))
         except Exception as err:
