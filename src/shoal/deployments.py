@@ -66,7 +66,10 @@ def validate_spec(spec: ModelSpec) -> None:
         raise DeploymentError(f"model source {spec.source!r} does not exist")
 
 
-ADAPTER_RUNTIMES = {("torch", "embeddings")}  # (runtime, task) that serve LoRA adapters
+ADAPTER_RUNTIMES = {
+    ("torch", "embeddings"),
+    ("torch", "generate"),
+}  # (runtime, task) that serve LoRA adapters
 
 
 def validate_adapter(spec: ModelSpec, base: ModelSpec | None) -> None:
@@ -77,7 +80,7 @@ def validate_adapter(spec: ModelSpec, base: ModelSpec | None) -> None:
         raise DeploymentError(f"{base.name!r} is itself an adapter: an adapter needs a base")
     if (base.runtime, base.task.value) not in ADAPTER_RUNTIMES:
         raise DeploymentError(
-            f"LoRA adapters are served on torch embedding models; {base.name!r} is "
+            f"LoRA adapters are served on torch models; {base.name!r} is "
             f"{base.runtime} {base.task.value}"
         )
     config = Path(spec.adapter).expanduser() / "adapter_config.json"

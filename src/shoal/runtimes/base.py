@@ -72,8 +72,14 @@ class GenerationRuntime(Protocol):
         """True for tokens that end a completion (EOS, end of turn)."""
         ...
 
-    def add_sequence(self, slot: int, prompt: list[int], sampling: SamplingParams) -> None:
-        """Start a sequence in a free slot; its prompt is processed by the next `step()`s."""
+    def add_sequence(
+        self, slot: int, prompt: list[int], sampling: SamplingParams, adapter: str | None = None
+    ) -> None:
+        """Start a sequence in a free slot; its prompt is processed by the next `step()`s.
+
+        `adapter` names a loaded LoRA adapter the sequence decodes with (None: the base);
+        runtimes without adapters raise ValueError for any name.
+        """
         ...
 
     def remove_sequence(self, slot: int) -> None:

@@ -117,7 +117,11 @@ class LlamaCppRuntime:
 
     # -- sequences ---------------------------------------------------------------------------
 
-    def add_sequence(self, slot: int, prompt: list[int], sampling: SamplingParams) -> None:
+    def add_sequence(
+        self, slot: int, prompt: list[int], sampling: SamplingParams, adapter: str | None = None
+    ) -> None:
+        if adapter:
+            raise ValueError(f"{type(self).__name__} serves no LoRA adapters")
         if not 0 <= slot < self.max_sequences or slot in self._sequences:
             raise ValueError(f"slot {slot} is not free")
         if not prompt or len(prompt) >= self.context_length:

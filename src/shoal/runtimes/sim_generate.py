@@ -67,7 +67,11 @@ class SimGenerationRuntime:
     def is_end_of_generation(self, token: int) -> bool:
         return False
 
-    def add_sequence(self, slot: int, prompt: list[int], sampling: SamplingParams) -> None:
+    def add_sequence(
+        self, slot: int, prompt: list[int], sampling: SamplingParams, adapter: str | None = None
+    ) -> None:
+        if adapter:
+            raise ValueError(f"{type(self).__name__} serves no LoRA adapters")
         if not 0 <= slot < self.max_sequences or slot in self._sequences:
             raise ValueError(f"slot {slot} is not free")
         if len(prompt) >= self.context_length:

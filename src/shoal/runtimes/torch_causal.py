@@ -20,6 +20,7 @@ the last row into it), so a step reads a view of the cache, never a gathered cop
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -40,6 +41,7 @@ class _TorchSequence:
     prompt: list[int]
     sampling: SamplingParams
     generator: Any  # torch.Generator, for sampled (temperature > 0) decoding
+    adapter: str | None = None  # the LoRA adapter it decodes with
     position: int = 0  # tokens of this sequence in the cache
     next_token: int | None = None  # sampled, not yet fed back
 
@@ -131,6 +133,8 @@ class TorchCausalRuntime:
         self._byte_level = _is_byte_level(self.tokenizer)
         self._byte_decoder = _bytes_to_unicode_inverse() if self._byte_level else {}
         self._piece_bytes: dict[int, bytes] = {}
+        self._peft = None  # the model wrapped by peft once an adapter is added
+        self._adapters: set[str] = set()
 
     # -- text --------------------------------------------------------------------------------
 
@@ -161,9 +165,13 @@ class TorchCausalRuntime:
 
     # -- sequences ---------------------------------------------------------------------------
 
-    def add_sequence(self, slot: int, prompt: list[int], sampling: SamplingParams) -> None:
+    def add_sequence(
+        self, slot: int, prompt: list[int], sampling: SamplingParams, adapter: str | None = None
+    ) -> None:
         if not 0 <= slot < self.max_sequences or any(s.slot == slot for s in self._rows):
             raise ValueError(f"slot {slot} is not free")
+        if adapter is not None and adapter not in self._adapters:
+            raise ValueError(f"no adapter {adapter} is loaded")
         if not prompt or len(prompt) >= self.context_length:
             raise ValueError(f"a prompt of {len(prompt)} tokens does not fit the context")
         generator = None
@@ -173,7 +181,7 @@ class TorchCausalRuntime:
                 generator.seed()
             else:
                 generator.manual_seed(sampling.seed & 0xFFFFFFFFFFFFFFFF)
-        self._rows.append(_TorchSequence(slot, prompt, sampling, generator))
+        self._rows.append(_TorchSequence(slot, prompt, sampling, generator, adapter))
 
     def remove_sequence(self, slot: int) -> None:
         row = next((i for i, s in enumerate(self._rows) if s.slot == slot), None)
@@ -211,7 +219,8 @@ class TorchCausalRuntime:
         positions = torch.tensor([[s.position] for s in sequences])
         width = int(positions.max()) + 1
         ids = torch.tensor([[s.next_token] for s in sequences], device=self.device)
-        logits = self._forward(ids, positions, width)
+        with self._adapters_for([s.adapter for s in sequences]):
+            logits = self._forward(ids, positions, width)
         result = {}
         for row, sequence in enumerate(sequences):
             sequence.position += 1
@@ -225,7 +234,8 @@ class TorchCausalRuntime:
         length = len(sequence.prompt)
         ids = torch.tensor([sequence.prompt], device=self.device)
         positions = torch.arange(length).unsqueeze(0)
-        logits = self._forward(ids, positions, length, first_row=row)
+        with self._adapters_for([sequence.adapter]):
+            logits = self._forward(ids, positions, length, first_row=row)
         sequence.position = length
         token = self._sample(logits[0], sequence)
         sequence.next_token = token
@@ -269,6 +279,34 @@ class TorchCausalRuntime:
             probabilities = torch.zeros_like(probabilities).scatter(0, order, ordered)
         choice = torch.multinomial(probabilities, 1, generator=sequence.generator)
         return int(choice)
+
+    # -- LoRA adapters ---------------------------------------------------------------------
+
+    def add_adapter(self, name: str, path: str) -> None:
+        """Load a PEFT LoRA adapter beside the base weights (the base is not reloaded)."""
+        from peft import PeftModel
+
+        if name in self._adapters:
+            self._peft.delete_adapter(name)
+            self._adapters.discard(name)
+        if self._peft is None:
+            # peft puts its LoRA layers into self.model in place; calls go on to self.model.
+            self._peft = PeftModel.from_pretrained(self.model, path, adapter_name=name)
+        else:
+            self._peft.load_adapter(path, adapter_name=name)
+        self._peft.eval()
+        self._adapters.add(name)
+
+    def _adapters_for(self, names: list[str | None]):
+        """A context in which row i of the next forward pass decodes with adapter names[i]."""
+        if self._peft is None:
+            return contextlib.nullcontext()
+        if not any(names):
+            return self._peft.disable_adapter()
+        # The same per-row adapter hooks as PeftModel.forward(adapter_names=...): rows of
+        # different adapters (and "__base__") share one forward pass.
+        rows = [n if n is not None else "__base__" for n in names]
+        return self._peft._enable_peft_forward_hooks(adapter_names=rows)
 
     def close(self) -> None:
         self._rows.clear()

@@ -344,7 +344,10 @@ class GenerationScheduler:
                 param="max_tokens" if job.max_tokens else ("messages" if chat else "prompt"),
                 code="context_length_exceeded",
             )
-        runtime.add_sequence(admission.slot, tokens, job.sampling)
+        try:
+            runtime.add_sequence(admission.slot, tokens, job.sampling, admission.item.adapter)
+        except ValueError as err:  # e.g. its adapter was unloaded meanwhile
+            raise ApiError(400, str(err), param="model") from None
         admission.prompt_tokens = len(tokens)
         admission.stops = stops
 
