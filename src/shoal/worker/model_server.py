@@ -38,8 +38,7 @@ from shoal.protocol import (
 )
 from shoal.runtimes import load_runtime
 from shoal.worker.batching import WorkItem
-from shoal.worker.embedding_scheduler import EmbeddingScheduler
-from shoal.worker.embeddings import EmbeddingsHandler
+from shoal.worker.embedding_scheduler import make_scheduler
 from shoal.worker.generation_scheduler import GenerationScheduler
 from shoal.worker.outbox import Outbox
 from shoal.worker.profiling import BatchBudget, tuned_budget
@@ -181,7 +180,7 @@ class ModelServer:
         assert self._ctx is not None
         if self.spec.task is Task.GENERATE:
             return GenerationScheduler(self._ctx, runtime)
-        return EmbeddingScheduler(self._ctx, EmbeddingsHandler(runtime, self.spec.name))
+        return make_scheduler(self._ctx, self.spec, runtime)
 
     def _on_message(self, msg: Msg) -> None:
         assert self._scheduler is not None

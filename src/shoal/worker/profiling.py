@@ -35,7 +35,8 @@ from shoal.protocol import (
     name_token,
     now_ms,
 )
-from shoal.runtimes.base import EmbeddingRuntime
+from shoal.runtimes import run_texts
+from shoal.runtimes.base import EmbeddingRuntime, ScoringRuntime
 
 log = logging.getLogger(__name__)
 
@@ -85,16 +86,18 @@ class Measurements:
     chosen: int
 
 
-def profile_embeddings(runtime: EmbeddingRuntime, latency_target_s: float) -> Measurements:
+def profile_batches(
+    runtime: EmbeddingRuntime | ScoringRuntime, latency_target_s: float
+) -> Measurements:
     """Time the runtime over batch sizes and pick the budget (runs in the executor thread)."""
     throughput: dict[int, float] = {}
     latency: dict[int, float] = {}
-    runtime.embed([_PROFILE_TEXT.format(i=0)])  # warm up
+    run_texts(runtime, [_PROFILE_TEXT.format(i=0)])  # warm up
     for size in PROFILE_SIZES:
         texts = [_PROFILE_TEXT.format(i=i) for i in range(size)]
         runs, began = 0, time.perf_counter()
         while runs < 2 or time.perf_counter() - began < MIN_SECONDS_PER_SIZE:
-            runtime.embed(texts)
+            run_texts(runtime, texts)
             runs += 1
         seconds = (time.perf_counter() - began) / runs
         throughput[size], latency[size] = size / seconds, seconds
@@ -109,7 +112,7 @@ def profile_embeddings(runtime: EmbeddingRuntime, latency_target_s: float) -> Me
 async def tuned_budget(
     js: JetStreamContext,
     spec: ModelSpec,
-    runtime: EmbeddingRuntime,
+    runtime: EmbeddingRuntime | ScoringRuntime,
     executor: Executor,
     worker_id: str,
     max_batch_tokens: int,
@@ -128,7 +131,7 @@ async def tuned_budget(
         await asyncio.sleep(0.5)  # another worker is profiling this model: wait for it
     target = env_default("BATCH_LATENCY_TARGET", 1.0)
     loop = asyncio.get_running_loop()
-    measured = await loop.run_in_executor(executor, profile_embeddings, runtime, target)
+    measured = await loop.run_in_executor(executor, profile_batches, runtime, target)
     profile = BatchProfile(
         model=spec.name,
         runtime=spec.runtime,
