@@ -208,3 +208,16 @@ def test_eviction_takes_least_recently_used_idle_models_and_spares_busy_ones():
     assert evictions(fresh, 600, 1000, 10) is None  # loaded too recently: no thrashing
     shared = [Resident("shared", 600, idle_s=0.0, resident_s=60, pinned=False, other_holders=1)]
     assert evictions(shared, 600, 1000, 10) == ["shared"]  # busy, but served elsewhere too
+
+
+def test_budget_is_the_largest_batch_near_the_best_within_the_latency_target():
+    from shoal.worker.profiling import choose_budget
+
+    # A curve flat past 32 (as all-MiniLM-L6-v2's is on this CPU), with timing noise.
+    throughput = {1: 62, 8: 279, 16: 228, 32: 261, 64: 260, 128: 284, 256: 272}
+    latency = {size: size / rate for size, rate in throughput.items()}
+    assert choose_budget(throughput, latency, 1.0) == 256
+    assert choose_budget(throughput, latency, 0.6) == 128  # 256 takes 0.94 s: over target
+    rising = {1: 10.0, 2: 19.0, 4: 30.0}
+    assert choose_budget(rising, {1: 0.1, 2: 0.1, 4: 0.13}, 1.0) == 4
+    assert choose_budget(rising, {1: 2.0, 2: 3.0, 4: 4.0}, 1.0) == 1  # nothing fits: smallest

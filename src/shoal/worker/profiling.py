@@ -1,7 +1,7 @@
 """Zero-tuning batches: a short profile on first load picks a model's batch budget.
 
 The first worker to load a model on a kind of hardware times the runtime at batch sizes 1, 2,
-4, ... and picks the smallest size whose throughput is within 5% of the best seen, among sizes
+4, ... and picks the largest size whose throughput is within 5% of the best seen, among sizes
 whose batch time stays within the latency target (`SHOAL_BATCH_LATENCY_TARGET`, seconds,
 default 1). The result goes to the `shoal_profiles` KV bucket under (model, runtime, spec,
 hardware fingerprint); every later worker with the same key reads it instead of profiling.
@@ -103,10 +103,22 @@ def profile_batches(
         throughput[size], latency[size] = size / seconds, seconds
         if seconds > latency_target_s:
             break  # larger batches only take longer
-    fitting = [s for s in throughput if latency[s] <= latency_target_s] or [1]
+    return Measurements(throughput, latency, choose_budget(throughput, latency, latency_target_s))
+
+
+def choose_budget(
+    throughput: dict[int, float], latency_s: dict[int, float], latency_target_s: float
+) -> int:
+    """The largest batch size within 5% of the best throughput, among those within target.
+
+    Largest, not smallest: past the knee a runtime's curve is flat within the timing noise,
+    so "smallest within 5%" lands anywhere on the flat part (profiles of one model chose 8
+    to 256), while through the cluster each batch also pays the worker's per-batch costs and
+    larger batches keep gaining. A budget is a cap: at low load batches stay small anyway.
+    """
+    fitting = [s for s in throughput if latency_s[s] <= latency_target_s] or [min(throughput)]
     best = max(throughput[s] for s in fitting)
-    chosen = min(s for s in fitting if throughput[s] >= WITHIN_BEST * best)
-    return Measurements(throughput, latency, chosen)
+    return max(s for s in fitting if throughput[s] >= WITHIN_BEST * best)
 
 
 async def tuned_budget(

@@ -156,6 +156,9 @@ class WorkerSidecar:
             del self.servers[spec.name]
             await self._forget_status(server.status_keys())
             raise
+        # Memory freed by an earlier unload stays with the process, so a reload can measure
+        # next to nothing: the first (largest) measurement stands.
+        server.memory_mb = max(server.memory_mb, self._measured_mb.get(spec.name, 0.0))
         self._measured_mb[spec.name] = server.memory_mb
         await server.report(self._workers_kv, self._metrics_url)
         return server
