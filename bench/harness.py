@@ -114,11 +114,12 @@ class LoadResult:
 _WRK_SCRIPT = """
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
+local models = {MODELS}
 local n = 0
 request = function()
   n = n + 1
-  local body = '{"model":"MODEL","encoding_format":"base64","input":"' ..
-    string.format("SENTENCE", n) .. '"}'
+  local body = '{"model":"' .. models[(n % #models) + 1] .. '","encoding_format":"base64",' ..
+    '"input":"' .. string.format("SENTENCE", n) .. '"}'
   return wrk.format(nil, "/v1/embeddings", nil, body)
 end
 """
@@ -128,9 +129,15 @@ def wrk_available() -> bool:
     return shutil.which("wrk") is not None
 
 
-def run_wrk(url: str, model: str, connections: int, seconds: float) -> LoadResult:
-    """Closed loop: `connections` clients, each sending the next request on its reply."""
-    script = _WRK_SCRIPT.replace("MODEL", model).replace("SENTENCE", SENTENCE.format(i="%d"))
+def run_wrk(
+    url: str, model: str, connections: int, seconds: float, also: tuple[str, ...] = ()
+) -> LoadResult:
+    """Closed loop: `connections` clients, each sending the next request on its reply.
+
+    With `also`, requests go round-robin to `model` and those models (a mixed load).
+    """
+    names = ", ".join(f'"{name}"' for name in (model, *also))
+    script = _WRK_SCRIPT.replace("MODELS", names).replace("SENTENCE", SENTENCE.format(i="%d"))
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as handle:
         handle.write(script)
     command = [

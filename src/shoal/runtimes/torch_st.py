@@ -33,7 +33,10 @@ class TorchEmbeddingRuntime:
         self.device = str(options.get("device", "cuda" if torch.cuda.is_available() else "cpu"))
         self.model = SentenceTransformer(str(resolve_source(source)), device=self.device)
         self.model.eval()
-        self.dimensions = int(self.model.get_sentence_embedding_dimension() or 0)
+        # sentence-transformers 6.x renamed get_sentence_embedding_dimension (now deprecated).
+        dimension = getattr(self.model, "get_embedding_dimension", None)
+        dimension = dimension or self.model.get_sentence_embedding_dimension
+        self.dimensions = int(dimension() or 0)
         self._peft = None  # the transformer wrapped by peft once an adapter is added
         self._adapters: set[str] = set()
 
