@@ -31,6 +31,7 @@ from typing import Any
 
 from shoal.runtimes.base import SamplingParams
 from shoal.runtimes.model_files import cache_dir, resolve_source
+from shoal.runtimes.torch_setup import import_torch
 
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
@@ -103,17 +104,11 @@ class TorchCausalRuntime:
     simulated = False
 
     def __init__(self, name: str, source: str, options: dict[str, Any]) -> None:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        import torch
+        torch, self.device = import_torch(options)
 
-        threads = int(options.get("threads") or os.environ.get("SHOAL_THREADS") or 0)
-        if threads > 0:
-            torch.set_num_threads(threads)
         self._torch = torch
         self.name = name
         self.max_sequences = int(options.get("max_sequences", 8))
-        self.device = str(options.get("device", "cuda" if torch.cuda.is_available() else "cpu"))
         dtype = getattr(torch, str(options.get("dtype", "float32")))
         self.model, self.tokenizer = load_causal_lm(resolve_source(source, ".gguf"), dtype)
         self.model.to(self.device).eval()

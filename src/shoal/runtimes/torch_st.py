@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Any
 
 import numpy as np
 
 from shoal.runtimes.base import EmbedOutput
 from shoal.runtimes.model_files import resolve_source
+from shoal.runtimes.torch_setup import import_torch
 
 
 class TorchEmbeddingRuntime:
@@ -18,19 +18,13 @@ class TorchEmbeddingRuntime:
     simulated = False
 
     def __init__(self, name: str, source: str, options: dict[str, Any]) -> None:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        import torch
+        torch, self.device = import_torch(options)
         from sentence_transformers import SentenceTransformer
         from sentence_transformers.util import batch_to_device
 
-        threads = int(options.get("threads") or os.environ.get("SHOAL_THREADS") or 0)
-        if threads > 0:
-            torch.set_num_threads(threads)
         self._torch = torch
         self._batch_to_device = batch_to_device
         self.name = name
-        self.device = str(options.get("device", "cuda" if torch.cuda.is_available() else "cpu"))
         self.model = SentenceTransformer(str(resolve_source(source)), device=self.device)
         self.model.eval()
         # sentence-transformers 6.x renamed get_sentence_embedding_dimension (now deprecated).
