@@ -14,7 +14,6 @@ from collections import deque
 from typing import Protocol
 
 from shoal.protocol import Endpoint, ModelSpec, Task, now_ms
-from shoal.runtimes import is_scoring
 from shoal.worker.batching import WorkItem, take_batch
 from shoal.worker.cross_encoder import RerankHandler
 from shoal.worker.embeddings import BatchOutcome, EmbeddingsHandler
@@ -44,20 +43,11 @@ def make_scheduler(ctx: SchedulerContext, spec: ModelSpec, runtime) -> Embedding
 class EmbeddingScheduler:
     """Runs pulled embeddings and rerank requests batch by batch (implements `Scheduler`).
 
-    `task` is the deployment's: it decides which endpoints run here. Without it, the task
-    follows from the runtime, so that `EmbeddingScheduler(ctx, EmbeddingsHandler(runtime,
-    name))` also serves a cross-encoder (`make_scheduler` is the plain way).
+    `task` is the deployment's: it decides which endpoints run here (`make_scheduler` picks
+    the handler for it).
     """
 
-    def __init__(
-        self, ctx: SchedulerContext, handler: BatchHandler, task: Task | None = None
-    ) -> None:
-        if task is None:
-            task = Task.EMBEDDINGS
-            if isinstance(handler, EmbeddingsHandler) and is_scoring(handler.runtime):
-                # The caller wrapped a cross-encoder as it wraps every non-generative model.
-                handler = RerankHandler(handler.runtime, handler.model)  # type: ignore[arg-type]
-                task = Task.RERANK
+    def __init__(self, ctx: SchedulerContext, handler: BatchHandler, task: Task) -> None:
         self._ctx = ctx
         self._handler = handler
         self._task = task
