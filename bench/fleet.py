@@ -77,10 +77,6 @@ def shoal_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "shoal"]
 
 
-def nats_url_of(up: UpCluster) -> str:
-    return json.loads((Path(up.state_dir) / "cluster.json").read_text())["nats_url"]
-
-
 # -- part 1: deploy to first response -------------------------------------------------------
 
 
@@ -263,7 +259,7 @@ def deploy_to_first_response(name: str, reps: int, memory_mb: int) -> dict:
             "600",
             env={"SHOAL_CACHE_DIR": cache},
         ) as up:
-            nats_url = nats_url_of(up)
+            nats_url = up.nats_url
             runs = []
             for run in range(1, reps + 1):
                 result = asyncio.run(one_deploy(up, nats_url, name, case, run))
@@ -294,7 +290,7 @@ def deploy_to_first_response(name: str, reps: int, memory_mb: int) -> dict:
 
 
 def models_json(up: UpCluster) -> list[dict]:
-    command = [*shoal_command(), "models", "--json", "--nats", nats_url_of(up)]
+    command = [*shoal_command(), "models", "--json", "--nats", up.nats_url]
     return json.loads(subprocess.run(command, env=up.env, capture_output=True, check=True).stdout)
 
 
@@ -331,7 +327,7 @@ def budget_sweep(
             print(f"cluster {config} up in {startup_s[config]} s", flush=True)
         tuned = clusters["tuned"]
         views = models_json(tuned)
-        profiles = asyncio.run(read_profiles_of(nats_url_of(tuned)))
+        profiles = asyncio.run(read_profiles_of(tuned.nats_url))
         chosen = next(v["batch_budget"] for v in views if v["name"] == EMBED_MODEL)
         print(f"profiled budget (shoal models --json): {chosen}", flush=True)
         for config in configs:  # warm up every cluster once

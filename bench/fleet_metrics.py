@@ -8,12 +8,9 @@ BusyMeter) and of the `shoal_worker_batch_items` histogram between two scrapes.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import re
 import urllib.request
 from dataclasses import dataclass
-from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -69,23 +66,6 @@ def window(
         batches=batches,
         items=items,
     )
-
-
-def shoal_metrics_urls(state_dir: str) -> list[str]:
-    """The /metrics URL of every worker of the `shoal up` cluster in `state_dir`."""
-    from shoal.broker.connection import connect
-    from shoal.observability.fleet import read_worker_statuses
-
-    nats_url = json.loads((Path(state_dir) / "cluster.json").read_text())["nats_url"]
-
-    async def statuses():
-        nc = await connect(nats_url, name="bench")
-        try:
-            return await read_worker_statuses(nc.jetstream())
-        finally:
-            await nc.close()
-
-    return [status.metrics_url for status in asyncio.run(statuses())]
 
 
 def _metric(text: str, name: str) -> float:

@@ -64,25 +64,36 @@ class UpCluster:
         self.process.wait(60)
         shutil.rmtree(self.state_dir, ignore_errors=True)
 
-    def batch_totals(self) -> tuple[float, float]:
-        """(items, batches) run so far by all workers, from their /metrics."""
-        import httpx
+    @property
+    def nats_url(self) -> str:
+        """The cluster's embedded NATS, as `shoal up` wrote it into its state directory."""
+        return json.loads((Path(self.state_dir) / "cluster.json").read_text())["nats_url"]
 
+    def worker_statuses(self) -> list:
+        """Every worker status report (one per worker and model it holds)."""
         from shoal.broker.connection import connect
         from shoal.observability.fleet import read_worker_statuses
 
-        nats_url = json.loads((Path(self.state_dir) / "cluster.json").read_text())["nats_url"]
-
         async def statuses():
-            nc = await connect(nats_url, name="bench")
+            nc = await connect(self.nats_url, name="bench")
             try:
                 return await read_worker_statuses(nc.jetstream())
             finally:
                 await nc.close()
 
+        return asyncio.run(statuses())
+
+    def metrics_urls(self) -> list[str]:
+        """Each worker process's /metrics, once (a worker reports once per model it holds)."""
+        return sorted({status.metrics_url for status in self.worker_statuses()})
+
+    def batch_totals(self) -> tuple[float, float]:
+        """(items, batches) run so far by all workers, from their /metrics."""
+        import httpx
+
         items = batches = 0.0
-        for status in asyncio.run(statuses()):
-            text = httpx.get(status.metrics_url, timeout=5).text
+        for url in self.metrics_urls():
+            text = httpx.get(url, timeout=5).text
             items += _metric(text, "shoal_worker_batch_items_sum")
             batches += _metric(text, "shoal_worker_batch_items_count")
         return items, batches

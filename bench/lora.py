@@ -16,7 +16,6 @@ made here (rank 8 on query/value, random seeded weights). Then:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -74,7 +73,7 @@ def main() -> None:
     for seed, path in enumerate(adapters.values(), start=1):
         make_adapter(path, seed)
     with UpCluster("--max-batch-items", str(args.max_batch_items)) as up:
-        nats_url = json.loads((Path(up.state_dir) / "cluster.json").read_text())["nats_url"]
+        nats_url = up.nats_url
         run_wrk(up.url, BASE, args.connections, 5)  # warm up
         loads = [hot_load(up, nats_url, name, path) for name, path in adapters.items()]
         for name, load in zip(adapters, loads, strict=True):

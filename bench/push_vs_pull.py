@@ -34,7 +34,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bench.fleet_metrics import scrape, shoal_metrics_urls, window
+from bench.fleet_metrics import scrape, window
 from bench.harness import RESULTS_DIR, UpCluster, cpu_share, machine_facts
 from bench.loadgen import LoadSpec, run_load
 from bench.push.cluster import PushCluster
@@ -74,9 +74,8 @@ def start(name: str, workers: int, spec: ModelSpec, args: argparse.Namespace):
     if name == "shoal":
         options = [f"--option={k}={v}" for k, v in spec.options.items()]
         extra = ["--model", spec.name, *options] if spec.runtime == "sim" else []
-        return _Started(
-            name, UpCluster(*extra, *batch, "--workers", str(workers)), lambda c: c.state_dir
-        )
+        cluster = UpCluster(*extra, *batch, "--workers", str(workers))
+        return _Started(name, cluster, UpCluster.metrics_urls)
     if name in POLICIES:
         cluster = PushCluster(
             spec,
@@ -95,13 +94,13 @@ def start(name: str, workers: int, spec: ModelSpec, args: argparse.Namespace):
 
 
 class _Started(AbstractContextManager):
-    def __init__(self, name: str, cluster: Any, state_dir_of) -> None:
-        self.name, self.cluster, self.state_dir_of = name, cluster, state_dir_of
+    def __init__(self, name: str, cluster: Any, urls_of) -> None:
+        self.name, self.cluster, self.urls_of = name, cluster, urls_of
 
     def __enter__(self) -> System:
         self.cluster.__enter__()
-        if self.state_dir_of is not None:
-            urls = _retry(lambda: shoal_metrics_urls(self.state_dir_of(self.cluster)))
+        if self.urls_of is not None:  # known once the workers have reported
+            urls = _retry(lambda: self.urls_of(self.cluster))
         else:
             urls = list(getattr(self.cluster, "metrics_urls", []))
         return System(self.name, self.cluster, urls)

@@ -93,7 +93,8 @@ class ModelServer:
         self._ctx: SchedulerContext | None = None
         self._puller: Puller | None = None
         self._cancels = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: list[asyncio.Task[None]] = []  # fill loop, keep-alive
+        self._run_task: asyncio.Task[None] | None = None  # the scheduler
         self._stopping = asyncio.Event()
         self.adapters: dict[str, _AdapterFeed] = {}
 
@@ -143,7 +144,7 @@ class ModelServer:
         self._stopping.set()
         for name in list(self.adapters):
             await self.detach(name)
-        if self._scheduler is not None:
+        if self._scheduler is not None and self._run_task is not None:
             await self._tasks[0]  # the fill loop ends with its pull request (at most poll_s)
             self._scheduler.stop_accepting()
             await self._run_task
