@@ -30,6 +30,7 @@ from shoal.protocol import (
     work_subject,
 )
 from shoal.runtimes import check_runtime
+from shoal.runtimes.gguf_lora import is_gguf_file
 
 log = logging.getLogger(__name__)
 
@@ -69,22 +70,32 @@ def validate_spec(spec: ModelSpec) -> None:
 ADAPTER_RUNTIMES = {
     ("torch", "embeddings"),
     ("torch", "generate"),
+    ("llamacpp", "generate"),
 }  # (runtime, task) that serve LoRA adapters
 
 
 def validate_adapter(spec: ModelSpec, base: ModelSpec | None) -> None:
-    """Raise DeploymentError unless `spec` is a loadable adapter on an existing base."""
+    """Raise DeploymentError unless `spec` is a loadable adapter on an existing base.
+
+    torch bases take PEFT adapter directories; llama.cpp bases take a GGUF LoRA file or a
+    PEFT directory (converted to GGUF by the worker, once).
+    """
     if base is None:
         raise DeploymentError(f"the base model {spec.base!r} is not deployed")
     if base.base:
         raise DeploymentError(f"{base.name!r} is itself an adapter: an adapter needs a base")
     if (base.runtime, base.task.value) not in ADAPTER_RUNTIMES:
+        served = ", ".join(f"{runtime} {task}" for runtime, task in sorted(ADAPTER_RUNTIMES))
         raise DeploymentError(
-            f"LoRA adapters are served on torch models; {base.name!r} is "
+            f"LoRA adapters are served on {served} models; {base.name!r} is "
             f"{base.runtime} {base.task.value}"
         )
-    config = Path(spec.adapter).expanduser() / "adapter_config.json"
-    if not config.is_file():
+    path = Path(spec.adapter).expanduser()
+    if base.runtime == "llamacpp" and path.is_file():
+        if not is_gguf_file(path):
+            raise DeploymentError(f"{spec.adapter!r} is neither a GGUF LoRA file nor a directory")
+        return
+    if not (path / "adapter_config.json").is_file():
         raise DeploymentError(f"{spec.adapter!r} is not a PEFT adapter (no adapter_config.json)")
 
 

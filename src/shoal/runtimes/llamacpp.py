@@ -5,6 +5,12 @@ sequence at a time. One context holds `max_sequences` sequences (`n_seq_max`, wi
 KV cache); every step builds one shared `llama_batch` with the last token of each running
 sequence plus a chunk of any new prompt, decodes it once, and samples each sequence from its
 own logits with its own sampler chain (so seeds are per request).
+
+LoRA: llama.cpp applies adapters to a whole context, not per sequence. Sequences of one
+adapter (or of the base) are decoded together, one `llama_decode` per adapter present in the
+step, switching the context's adapter in between; they share the one KV cache and the model's
+weights, so an adapter costs its own tensors only. A step with k adapters in use reads the
+weights k times: mixed traffic is served, at up to k times the cost of base-only traffic.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.runtimes.base import SamplingParams
+from shoal.runtimes.gguf_lora import gguf_adapter_path
 from shoal.runtimes.model_files import resolve_source
 
 # llama.cpp logs every load detail (and harmless warnings about this GGUF) to stderr;
@@ -29,6 +36,7 @@ class _LlamaSequence:
     prefilled: int = 0  # prompt tokens already in the KV cache
     next_token: int | None = None  # sampled, not yet fed back
     position: int = 0
+    adapter: str | None = None  # the LoRA adapter it decodes with
     batch_index: int = field(default=-1)  # where its logits are in this step's batch
 
 
@@ -85,6 +93,8 @@ class LlamaCppRuntime:
         template = lc.llama_model_chat_template(self._model, None)
         self.chat_template = template.decode() if template else None
         self._sequences: dict[int, _LlamaSequence] = {}
+        self._adapters: dict[str, Any] = {}  # name -> llama_adapter_lora pointer
+        self._context_adapter: str | None = None  # the adapter set on the context now
         self._piece_buffer = ctypes.create_string_buffer(256)
 
     # -- text --------------------------------------------------------------------------------
@@ -120,14 +130,16 @@ class LlamaCppRuntime:
     def add_sequence(
         self, slot: int, prompt: list[int], sampling: SamplingParams, adapter: str | None = None
     ) -> None:
-        if adapter:
-            raise ValueError(f"{type(self).__name__} serves no LoRA adapters")
+        if adapter is not None and adapter not in self._adapters:
+            raise ValueError(f"no adapter {adapter} is loaded")
         if not 0 <= slot < self.max_sequences or slot in self._sequences:
             raise ValueError(f"slot {slot} is not free")
         if not prompt or len(prompt) >= self.context_length:
             raise ValueError(f"a prompt of {len(prompt)} tokens does not fit the context")
         self._lc.llama_memory_seq_rm(self._memory, slot, -1, -1)
-        self._sequences[slot] = _LlamaSequence(prompt, self._make_sampler(sampling))
+        self._sequences[slot] = _LlamaSequence(
+            prompt, self._make_sampler(sampling), adapter=adapter
+        )
 
     def remove_sequence(self, slot: int) -> None:
         sequence = self._sequences.pop(slot, None)
@@ -151,20 +163,29 @@ class LlamaCppRuntime:
     # -- decoding ----------------------------------------------------------------------------
 
     def step(self) -> dict[int, int]:
-        if not self._sequences:
-            return {}
+        tokens: dict[int, int] = {}
+        groups: dict[str | None, dict[int, _LlamaSequence]] = {}
+        for slot, sequence in self._sequences.items():
+            groups.setdefault(sequence.adapter, {})[slot] = sequence
+        for adapter, sequences in groups.items():
+            self._use_adapter(adapter)
+            tokens.update(self._decode(sequences))
+        return tokens
+
+    def _decode(self, sequences: dict[int, _LlamaSequence]) -> dict[int, int]:
+        """One llama_decode of these sequences: a token for each, or a prompt chunk."""
         batch = self._batch
         count = 0
         # Running sequences first: each needs one slot in the batch, and decoding them is
         # what keeps their tokens flowing while new prompts are processed in chunks.
-        for slot, sequence in self._sequences.items():
+        for slot, sequence in sequences.items():
             sequence.batch_index = -1
             if sequence.next_token is not None:
                 self._put(batch, count, sequence.next_token, sequence.position, slot, True)
                 sequence.batch_index = count
                 sequence.position += 1
                 count += 1
-        for slot, sequence in self._sequences.items():
+        for slot, sequence in sequences.items():
             left = len(sequence.prompt) - sequence.prefilled
             room = self.batch_tokens - count
             if sequence.next_token is not None or left == 0 or room <= 0:
@@ -184,7 +205,7 @@ class LlamaCppRuntime:
         if result != 0:
             raise RuntimeError(f"llama_decode failed ({result}): the KV cache may be full")
         tokens: dict[int, int] = {}
-        for slot, sequence in self._sequences.items():
+        for slot, sequence in sequences.items():
             if sequence.batch_index >= 0:
                 token = self._lc.llama_sampler_sample(
                     sequence.sampler, self._ctx, sequence.batch_index
@@ -192,6 +213,47 @@ class LlamaCppRuntime:
                 sequence.next_token = token
                 tokens[slot] = token
         return tokens
+
+    # -- LoRA adapters ---------------------------------------------------------------------
+
+    def add_adapter(self, name: str, path: str) -> None:
+        """Load a LoRA adapter (a GGUF LoRA file, or a PEFT directory, converted once).
+
+        The base model is not reloaded; the adapter's tensors are all it adds.
+        """
+        lc = self._lc
+        layers = lc.llama_model_n_layer(self._model)
+        gguf_path = gguf_adapter_path(path, self._architecture(), layers)
+        adapter = lc.llama_adapter_lora_init(self._model, str(gguf_path).encode())
+        if not adapter:
+            raise ValueError(f"llama.cpp could not load {path} as a LoRA adapter of this model")
+        old = self._adapters.get(name)
+        self._adapters[name] = adapter
+        if old is not None:
+            if self._context_adapter == name:
+                self._use_adapter(None)
+            lc.llama_adapter_lora_free(old)
+
+    def _use_adapter(self, name: str | None) -> None:
+        """Set the context's adapter (None: the base) for the next decode."""
+        if name == self._context_adapter:
+            return
+        lc = self._lc
+        if name is None:
+            result = lc.llama_set_adapters_lora(self._ctx, None, 0, None)
+        else:
+            adapters = (lc.llama_adapter_lora_p_ctypes * 1)(self._adapters[name])
+            result = lc.llama_set_adapters_lora(self._ctx, adapters, 1, (ctypes.c_float * 1)(1.0))
+        if result != 0:
+            raise RuntimeError(f"llama.cpp could not set the adapter {name} ({result})")
+        self._context_adapter = name
+
+    def _architecture(self) -> str:
+        buffer = ctypes.create_string_buffer(64)
+        size = self._lc.llama_model_meta_val_str(
+            self._model, b"general.architecture", buffer, len(buffer)
+        )
+        return buffer.value.decode() if size > 0 else ""
 
     @staticmethod
     def _put(batch, index: int, token: int, position: int, slot: int, logits: bool) -> None:
@@ -207,6 +269,7 @@ class LlamaCppRuntime:
         if self._batch is not None:
             self._lc.llama_batch_free(self._batch)
             self._batch = None
+        self._adapters.clear()  # llama_model_free frees them
         if self._ctx:
             self._lc.llama_free(self._ctx)
             self._ctx = None

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -48,22 +50,31 @@ def _from_package(package: str, suffix: str) -> Path:
     if hasattr(module, "assemble"):
         target = cache_dir() / "models" / f"{package}{suffix}"
         if not target.exists():
-            _assemble_once(module.assemble, target)
+            write_once(target, lambda path: module.assemble(str(path)))
         return target
     raise FileNotFoundError(
         f"package {package!r} has neither get_model_path() nor assemble(): it ships no model"
     )
 
 
-def _assemble_once(assemble, target: Path) -> None:
-    # Several workers may start at once: each writes a private file and renames it into
-    # place, so a reader never sees a half-written model.
+def write_once(target: Path, write: Callable[[Path], None]) -> None:
+    """Make `target` (a file or a directory) with `write(path)`, safely against other writers.
+
+    Several workers may make the same cache entry at once: each writes a private path and
+    renames it into place, so a reader never sees a half-written one. The first rename wins.
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
-    # A name no one uses, not yet created: assemble() refuses to overwrite an existing file.
-    partial = str(target.parent / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex}.part")
+    # A name no one uses, not yet created (assemble() refuses to overwrite an existing file).
+    partial = target.parent / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex}.part"
     try:
-        assemble(partial)
-        os.replace(partial, target)
+        write(partial)
+        try:
+            os.replace(partial, target)
+        except OSError:
+            if not target.exists():
+                raise  # not the race with another writer: a real failure
     finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
+        if partial.is_dir():
+            shutil.rmtree(partial, ignore_errors=True)
+        else:
+            partial.unlink(missing_ok=True)

@@ -21,16 +21,13 @@ the last row into it), so a step reads a view of the cache, never a gathered cop
 from __future__ import annotations
 
 import contextlib
-import os
 import re
-import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from shoal.runtimes.base import SamplingParams
-from shoal.runtimes.model_files import cache_dir, resolve_source
+from shoal.runtimes.model_files import cache_dir, resolve_source, write_once
 from shoal.runtimes.torch_setup import import_torch
 
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
@@ -334,18 +331,12 @@ def converted_gguf_dir(gguf: Path) -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    # Several workers may convert at once: each writes a private directory and renames it.
-    partial = target.parent / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex}.part"
-    try:
-        model.save_pretrained(str(partial))
-        tokenizer.save_pretrained(str(partial))
-        try:
-            os.rename(partial, target)
-        except OSError:
-            if not target.exists():
-                raise  # not the race with another converter: a real failure
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
+
+    def save(path: Path) -> None:
+        model.save_pretrained(str(path))
+        tokenizer.save_pretrained(str(path))
+
+    write_once(target, save)
     return target
 
 
