@@ -12,11 +12,13 @@ unloaded it, and again. Run 1 is cold (fresh `SHOAL_CACHE_DIR`, so the GGUF file
 no stored profile; the runtime's libraries not yet imported in the worker); runs 2.. are warm.
 Each model gets its own fresh cluster.
 
-Part 2, tuned vs manual batch budget, all-MiniLM-L6-v2 on torch. One `shoal up` per budget:
-the profiled one (no `--max-batch-items`) and `--max-batch-items` at each of --budgets, all up
-at once (idle but for the one measured, whose idle cost is recorded), measured one after the
-other with wrk (256 connections, single-sentence requests, base64), alternating for --rounds
-rounds (the order reversed every other round); medians are compared.
+Part 2, tuned vs manual batch budget, all-MiniLM-L6-v2 on torch. One `shoal up --workers 0`
+(NATS and a gateway); a first worker without `--max-batch-items` profiles the model and stores
+the budget. Then, for --rounds rounds (the order reversed every other round), one fresh
+`shoal worker` at a time: the profiled one (no flag: it reads the stored budget) and one with
+`--max-batch-items` at each of --budgets, each warmed up for 3 s and measured with wrk (256
+connections, single-sentence requests, base64), then stopped. Same NATS, gateway and client
+for every budget: only the worker's budget differs. Medians are compared.
 
     python -m bench.fleet [--seconds 15] [--rounds 2] [--reps 3] [--budgets 16,32,64,128,256]
 """
@@ -28,6 +30,7 @@ import asyncio
 import contextlib
 import json
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -39,12 +42,14 @@ import httpx
 
 from bench.harness import (
     UpCluster,
+    _cpu_seconds,
     cpu_share,
     machine_facts,
     run_wrk,
     write_result,
     wrk_available,
 )
+from shoal.protocol import WorkerState
 
 EMBED_MODEL = "all-MiniLM-L6-v2"
 CASES = {
@@ -309,65 +314,89 @@ def wait_quiet(up: UpCluster, limit_s: float = 30.0) -> float:
     return time.monotonic() - began
 
 
-def budget_sweep(
-    budgets: list[int], rounds: int, seconds: float, connections: int, memory_mb: int
-) -> dict:
+def start_worker(up: UpCluster, flags: list[str]) -> subprocess.Popen[str]:
+    """One `shoal worker` for the embedding model on the cluster, once it reports READY."""
+    worker = subprocess.Popen(
+        [*shoal_command(), "worker", "--model", EMBED_MODEL, *flags, "--nats", up.nats_url],
+        env=up.env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if worker.poll() is not None:
+            raise RuntimeError(f"the worker exited with {worker.returncode}")
+        statuses = up.worker_statuses()
+        if any(s.pid == worker.pid and s.state == WorkerState.READY for s in statuses):
+            return worker
+        time.sleep(0.3)
+    worker.kill()
+    raise RuntimeError("the worker did not become ready")
+
+
+def cpu_seconds(up: UpCluster, worker: subprocess.Popen[str]) -> dict[str, float]:
+    """CPU time so far of the cluster's parts and of the worker (not a child of `shoal up`)."""
+    return {**up.component_cpu_seconds(), "worker": _cpu_seconds(worker.pid)}
+
+
+def stop_worker(up: UpCluster, worker: subprocess.Popen[str]) -> None:
+    worker.send_signal(signal.SIGTERM)
+    worker.wait(60)
+    # Its status report lingers until its key is deleted; the next worker's is what counts.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(s.pid == worker.pid for s in up.worker_statuses()):
+        time.sleep(0.2)
+
+
+def budget_sweep(budgets: list[int], rounds: int, seconds: float, connections: int) -> dict:
+    """Each budget and the profiled one, on one cluster, one fresh worker at a time."""
     configs: list[str] = ["tuned", *(str(b) for b in budgets)]
     measurements: dict[str, list[dict]] = {c: [] for c in configs}
-    with contextlib.ExitStack() as stack:
-        clusters: dict[str, UpCluster] = {}
-        startup_s: dict[str, float] = {}
-        for config in configs:
-            flags = [] if config == "tuned" else ["--max-batch-items", config]
-            began = time.perf_counter()
-            clusters[config] = stack.enter_context(
-                UpCluster("--memory-budget-mb", str(memory_mb), *flags)
-            )
-            startup_s[config] = round(time.perf_counter() - began, 2)
-            print(f"cluster {config} up in {startup_s[config]} s", flush=True)
-        tuned = clusters["tuned"]
-        views = models_json(tuned)
-        profiles = asyncio.run(read_profiles_of(tuned.nats_url))
+    with UpCluster("--workers", "0") as up:
+        # The first worker without --max-batch-items profiles and stores the budget; every
+        # later one (as every other worker of a fleet) reads it back.
+        began = time.perf_counter()
+        stop_worker(up, start_worker(up, []))
+        first_start_s = round(time.perf_counter() - began, 2)
+        views = models_json(up)
+        profiles = asyncio.run(read_profiles_of(up.nats_url))
         chosen = next(v["batch_budget"] for v in views if v["name"] == EMBED_MODEL)
         print(f"profiled budget (shoal models --json): {chosen}", flush=True)
-        for config in configs:  # warm up every cluster once
-            run_wrk(clusters[config].url, EMBED_MODEL, connections, 5)
-            wait_quiet(clusters[config])
         for round_no in range(rounds):
             order = configs if round_no % 2 == 0 else configs[::-1]
             for config in order:
-                up = clusters[config]
-                others = [c for c in configs if c != config]
-                idle_before = {c: clusters[c].component_cpu_seconds() for c in others}
-                before, started = up.component_cpu_seconds(), time.monotonic()
-                items_before, batches_before = up.batch_totals()
-                load = run_wrk(up.url, EMBED_MODEL, connections, seconds)
-                elapsed = time.monotonic() - started
-                cores = cpu_share(before, up.component_cpu_seconds(), elapsed)
-                idle = sum(
-                    _cores(idle_before[c], clusters[c].component_cpu_seconds(), elapsed)
-                    for c in others
-                )
-                items, batches = up.batch_totals()
+                flags = [] if config == "tuned" else ["--max-batch-items", config]
+                worker = start_worker(up, flags)
+                try:
+                    run_wrk(up.url, EMBED_MODEL, connections, 3)  # warm up
+                    wait_quiet(up)
+                    before, started = cpu_seconds(up, worker), time.monotonic()
+                    items_before, batches_before = up.batch_totals()
+                    load = run_wrk(up.url, EMBED_MODEL, connections, seconds)
+                    elapsed = time.monotonic() - started
+                    cores = cpu_share(before, cpu_seconds(up, worker), elapsed)
+                    items, batches = up.batch_totals()
+                    budget = next(
+                        s.max_batch_items for s in up.worker_statuses() if s.pid == worker.pid
+                    )
+                finally:
+                    stop_worker(up, worker)
                 mean_batch = (items - items_before) / max(1.0, batches - batches_before)
-                # What wrk left queued is finished before the next cluster is measured.
-                drain_s = wait_quiet(up)
                 measurements[config].append(
                     {
                         "round": round_no + 1,
                         "load": load,
+                        "worker_budget": budget,
                         "cores_used": cores,
-                        "idle_clusters_cores": round(idle, 3),
                         "mean_batch": round(mean_batch, 1),
-                        "drain_after_s": round(drain_s, 2),
                     }
                 )
                 print(
-                    f"round {round_no + 1} budget {config:>5}: {load.rps:6.1f} req/s, mean "
-                    f"batch {mean_batch:5.1f}, p50 {load.p50_ms:.0f} ms, p99 "
+                    f"round {round_no + 1} budget {config:>5} ({budget}): {load.rps:6.1f} "
+                    f"req/s, mean batch {mean_batch:5.1f}, p50 {load.p50_ms:.0f} ms, p99 "
                     f"{load.p99_ms:.0f} ms, errors {load.errors}, worker cores "
-                    f"{cores.get('worker', 0):.2f}, other clusters idle {idle:.3f} cores, "
-                    f"wrk cpu {load.client_cpu_s:.1f} s",
+                    f"{cores.get('worker', 0):.2f}, wrk cpu {load.client_cpu_s:.1f} s",
                     flush=True,
                 )
     medians = {c: statistics.median(m["load"].rps for m in measurements[c]) for c in configs}
@@ -378,7 +407,7 @@ def budget_sweep(
         "profiled_budget": chosen,
         "shoal_models": views,
         "profiles": profiles,
-        "startup_s": startup_s,
+        "first_start_with_profiling_s": first_start_s,
         "measurements": measurements,
         "median_rps": medians,
         "best_manual_budget": int(best),
@@ -415,9 +444,7 @@ def main() -> None:
         }
     if not args.skip_sweep:
         budgets = [int(b) for b in args.budgets.split(",")]
-        sweep = budget_sweep(
-            budgets, args.rounds, args.seconds, args.connections, args.memory_budget_mb
-        )
+        sweep = budget_sweep(budgets, args.rounds, args.seconds, args.connections)
         result["sweep"] = {
             "seconds_per_measurement": args.seconds,
             "rounds": args.rounds,

@@ -92,13 +92,19 @@ async def stream_one(
     return (first if first is not None else time.perf_counter() - sent), tokens
 
 
-async def closed_loop(url: str, model: str, clients: int, max_tokens: int, seconds: float):
-    """`clients` concurrent streams back to back; returns (tokens/s, requests, errors)."""
+async def closed_loop(
+    url: str, model: str | list[str], clients: int, max_tokens: int, seconds: float
+):
+    """`clients` concurrent streams back to back; returns (tokens/s, requests, errors).
+
+    With a list of models, client i asks models[i % len(models)].
+    """
+    models = [model] if isinstance(model, str) else model
     tokens = requests = errors = 0
     deadline = time.perf_counter() + seconds
     counter = iter(range(10**9))
 
-    async def client_loop(client: httpx.AsyncClient) -> None:
+    async def client_loop(client: httpx.AsyncClient, model: str) -> None:
         nonlocal tokens, requests, errors
         while time.perf_counter() < deadline:
             try:
@@ -110,7 +116,9 @@ async def closed_loop(url: str, model: str, clients: int, max_tokens: int, secon
 
     began = time.perf_counter()
     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as client:
-        await asyncio.gather(*(client_loop(client) for _ in range(clients)))
+        await asyncio.gather(
+            *(client_loop(client, models[i % len(models)]) for i in range(clients))
+        )
     return tokens / (time.perf_counter() - began), requests, errors
 
 

