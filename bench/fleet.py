@@ -378,7 +378,7 @@ def budget_sweep(budgets: list[int], rounds: int, seconds: float, connections: i
                     cores = cpu_share(before, cpu_seconds(up, worker), elapsed)
                     items, batches = up.batch_totals()
                     budget = next(
-                        s.max_batch_items for s in up.worker_statuses() if s.pid == worker.pid
+                        s.max_batch for s in up.worker_statuses() if s.pid == worker.pid
                     )
                 finally:
                     stop_worker(up, worker)

@@ -13,12 +13,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import openai
 import pytest
 from conftest import wait_until, worker_statuses
 
 from shoal.runtimes.base import SamplingParams
-from shoal.runtimes.gguf_lora import gguf_adapter_path, peft_to_gguf_tensors
+from shoal.runtimes.gguf_lora import gguf_adapter_path, peft_to_gguf_tensors, write_gguf_lora
 from shoal.runtimes.llamacpp import LlamaCppRuntime
 from shoal.runtimes.model_files import resolve_source
 from shoal.runtimes.torch_causal import converted_gguf_dir
@@ -191,9 +192,25 @@ def test_adapters_on_a_llamacpp_deployment_through_the_cluster(
     assert text[None] != text["support-ft"]
     assert got == [text[None], text["support-ft"], text["support-ft"]]
 
+    # An adapter that fails to load on the worker (shapes that do not fit the model) leaves
+    # the base serving, is reported once, and is tried again when it is deployed again.
+    broken = path.parent / "broken.gguf"
+    write_gguf_lora(broken, "gemma3", {
+        "blk.0.attn_q.weight.lora_a": np.zeros((4, 100), np.float32),
+        "blk.0.attn_q.weight.lora_b": np.zeros((1024, 4), np.float32),
+    })  # fmt: skip
+    result = shoal(nats_server.url, "deploy", "broken-ft", "--base", base, "--lora", str(broken))
+    assert result.returncode == 0, result.stderr
+    wait_until(lambda: "cannot load the adapter broken-ft" in worker.log(), 30)
+    assert asyncio.run(complete([base])) == [text[None]]
+    assert worker.log().count("cannot load the adapter broken-ft") == 1
+    fixed = shoal(nats_server.url, "deploy", "broken-ft", "--base", base, "--lora", str(gguf_file))
+    assert fixed.returncode == 0, fixed.stderr
+    assert asyncio.run(complete(["broken-ft"])) == [text["support-ft"]]
+
     # A directory that is not an adapter is refused before anything is written.
     refused = shoal(nats_server.url, "deploy", "x-ft", "--base", base, "--lora", str(path.parent))
     assert refused.returncode != 0 and "no adapter_config.json" in refused.stderr
-    for name in ("support-ft", "support-ft-gguf"):
+    for name in ("support-ft", "support-ft-gguf", "broken-ft"):
         assert shoal(nats_server.url, "undeploy", name).returncode == 0
     assert shoal(nats_server.url, "undeploy", base).returncode == 0

@@ -21,7 +21,7 @@ from shoal.broker.embedded import EmbeddedNats
 from shoal.broker.jetstream import ensure_profiles_kv
 from shoal.config import QueueSettings
 from shoal.deployments import deploy
-from shoal.protocol import ModelSpec, WorkerState, decode_batch_profile
+from shoal.protocol import ModelSpec, Task, WorkerState, decode_batch_profile
 from shoal.worker.placement import (
     BacklogHistory,
     Resident,
@@ -40,8 +40,8 @@ def nats(tmp_path) -> Iterator[EmbeddedNats]:
     server.stop()
 
 
-def deploy_sim(nats_url: str, name: str, **options: float) -> None:
-    spec = ModelSpec(name=name, runtime="sim", options={"batch_ms": 2.0, **options})
+def deploy_sim(nats_url: str, name: str, task: Task = Task.EMBEDDINGS, **options: float) -> None:
+    spec = ModelSpec(name=name, runtime="sim", task=task, options={"batch_ms": 2.0, **options})
 
     async def run() -> None:
         nc = await connect(nats_url, name="test")
@@ -166,6 +166,49 @@ def test_profile_is_computed_once_and_reused(nats, launcher: Launcher):
     assert asyncio.run(read_profile()) == (revision, profile)  # not written again
     budgets = {s.pid: s.max_batch for s in worker_statuses(nats.url)}
     assert budgets == {first.pid: profile.max_batch_items, second.pid: profile.max_batch_items}
+
+
+def test_a_generative_profile_caps_the_sequences_decoded_together(nats, launcher: Launcher):
+    # SIMULATED decoder: a step costs 5 ms + 20 ms per sequence. 16 sequences take 325 ms a
+    # step, past the 200 ms token-latency target; 8 take 165 ms and give the most tokens/s.
+    deploy_sim(nats.url, "gen", Task.GENERATE, step_ms=5.0, seq_us=20000.0, max_sequences=16)
+    _, url = launcher.gateway(nats.url)
+    worker = launcher.worker(nats.url, "gen")
+    status = next(s for s in worker_statuses(nats.url) if s.pid == worker.pid)
+    assert status.slots == status.max_batch == 8
+
+    async def read_profile():
+        nc = await connect(nats.url, name="test")
+        try:
+            kv = await ensure_profiles_kv(nc.jetstream())
+            return decode_batch_profile((await kv.get((await kv.keys())[0])).value)
+        finally:
+            await nc.close()
+
+    profile = asyncio.run(read_profile())
+    assert profile.max_batch_items == 8
+    assert profile.latency_s[16] > 0.2 >= profile.latency_s[8]
+
+    def complete(i: int) -> httpx.Response:
+        body = {"model": "gen", "prompt": f"p{i}", "max_tokens": 10}
+        return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+    results: list[httpx.Response] = []
+    threads = [threading.Thread(target=lambda i=i: results.append(complete(i))) for i in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert [r.status_code for r in results] == [200] * 12
+    done = wait_until(
+        lambda: (
+            (s := next(s for s in worker_statuses(nats.url) if s.pid == worker.pid))
+            and s.items_done == 12
+            and s
+        ),
+        10,
+    )
+    assert done.max_running_sequences == 8  # 12 waiting, 8 decoded together, never more
 
 
 # -- the decisions on their own ---------------------------------------------------------

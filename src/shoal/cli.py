@@ -76,7 +76,8 @@ def _add_batching(parser: argparse.ArgumentParser) -> None:
         "--max-batch-items",
         type=int,
         default=env_default("MAX_BATCH_ITEMS", WorkerSettings.max_batch_items),
-        help="items per batch; default 0: profiled on first load and stored (zero tuning)",
+        help="items per batch (generation: sequences decoded together); default 0: profiled "
+        "on first load and stored (zero tuning)",
     )
     parser.add_argument(
         "--max-batch-tokens",

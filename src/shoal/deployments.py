@@ -30,7 +30,7 @@ from shoal.protocol import (
     work_subject,
 )
 from shoal.runtimes import check_runtime
-from shoal.runtimes.gguf_lora import is_gguf_file
+from shoal.runtimes.gguf_lora import check_convertible, is_gguf_file
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,11 @@ def validate_adapter(spec: ModelSpec, base: ModelSpec | None) -> None:
         return
     if not (path / "adapter_config.json").is_file():
         raise DeploymentError(f"{spec.adapter!r} is not a PEFT adapter (no adapter_config.json)")
+    if base.runtime == "llamacpp":
+        try:
+            check_convertible(path)
+        except ValueError as err:
+            raise DeploymentError(str(err)) from None
 
 
 async def lora_spec(js: JetStreamContext, name: str, base: str, adapter: str) -> ModelSpec:
@@ -174,12 +179,17 @@ class ModelDirectory:
 
     def __init__(self) -> None:
         self._models: dict[str, ModelSpec] = {}
+        self._revisions: dict[str, int] = {}  # by name: the KV revision of its last deploy
         self._by_key: dict[str, str] = {}
         self.loaded = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     def get(self, name: str) -> ModelSpec | None:
         return self._models.get(name)
+
+    def revision(self, name: str) -> int:
+        """The KV revision of the model's current deployment (each deploy makes a new one)."""
+        return self._revisions.get(name, 0)
 
     def all(self) -> list[ModelSpec]:
         return sorted(self._models.values(), key=lambda spec: spec.name)
@@ -209,6 +219,7 @@ class ModelDirectory:
                 name = self._by_key.pop(entry.key, None)
                 if name is not None:
                     self._models.pop(name, None)
+                    self._revisions.pop(name, None)
                 continue
             try:
                 spec = decode_model_spec(entry.value)
@@ -217,3 +228,4 @@ class ModelDirectory:
                 continue
             self._by_key[entry.key] = spec.name
             self._models[spec.name] = spec
+            self._revisions[spec.name] = entry.revision

@@ -50,11 +50,8 @@ def gguf_adapter_path(adapter: str, architecture: str, layers: int) -> Path:
         if not is_gguf_file(path):
             raise ValueError(f"{adapter} is neither a GGUF LoRA file nor a PEFT directory")
         return path
-    if not (path / "adapter_config.json").is_file():
-        raise ValueError(f"{adapter} is not a PEFT adapter (no adapter_config.json)")
+    check_convertible(path)
     weights = path / "adapter_model.safetensors"
-    if not weights.is_file():
-        raise ValueError(f"{adapter} has no adapter_model.safetensors (save it with safetensors)")
     digest = hashlib.sha256()
     for part in (path / "adapter_config.json", weights):
         digest.update(part.read_bytes())
@@ -63,6 +60,23 @@ def gguf_adapter_path(adapter: str, architecture: str, layers: int) -> Path:
         tensors = peft_to_gguf_tensors(path, architecture, layers)
         write_once(target, lambda partial: write_gguf_lora(partial, architecture, tensors))
     return target
+
+
+def check_convertible(path: Path) -> None:
+    """Raise ValueError unless `path` is a PEFT LoRA directory this module can convert.
+
+    What needs the base model (its architecture, its tensor names) is checked on conversion.
+    """
+    config_path = path / "adapter_config.json"
+    if not config_path.is_file():
+        raise ValueError(f"{path} is not a PEFT adapter (no adapter_config.json)")
+    if not (path / "adapter_model.safetensors").is_file():
+        raise ValueError(f"{path} has no adapter_model.safetensors (save it with safetensors)")
+    config = json.loads(config_path.read_text())
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{path} is a {config['peft_type']} adapter; llama.cpp serves LoRA")
+    if config.get("use_dora"):
+        raise ValueError(f"{path} is a DoRA adapter; llama.cpp serves plain LoRA")
 
 
 def peft_to_gguf_tensors(path: Path, architecture: str, layers: int) -> dict[str, np.ndarray]:
@@ -76,8 +90,6 @@ def peft_to_gguf_tensors(path: Path, architecture: str, layers: int) -> dict[str
             "convert it with llama.cpp's convert_lora_to_gguf.py and deploy the .gguf file"
         )
     config = json.loads((path / "adapter_config.json").read_text())
-    if config.get("use_dora"):
-        raise ValueError("DoRA adapters are not supported on llama.cpp")
     arch = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}[architecture]
     names = gguf.get_tensor_name_map(arch, layers)
     weights = load_file(str(path / "adapter_model.safetensors"))

@@ -83,7 +83,10 @@ class GenerationScheduler:
         self._runtime = runtime
         self._pending: deque[WorkItem] = deque()
         self._active: dict[int, Sequence] = {}  # by slot
-        self._free_slots = list(range(runtime.max_sequences - 1, -1, -1))
+        # The batch budget (profiled, or --max-batch-items) caps the sequences decoded at once.
+        budget = ctx.settings.max_batch_items
+        self._slots = min(runtime.max_sequences, budget) if budget > 0 else runtime.max_sequences
+        self._free_slots = list(range(self._slots - 1, -1, -1))
         self._to_remove: list[int] = []  # slots whose sequences ended, freed at the next step
         self._cancelled: dict[str, float] = {}  # request id -> when the cancel arrived
         self._arrived = asyncio.Event()
@@ -91,7 +94,8 @@ class GenerationScheduler:
 
     @property
     def slots(self) -> int:
-        return self._runtime.max_sequences
+        """Sequences decoded together at most."""
+        return self._slots
 
     # -- Scheduler interface ------------------------------------------------------------
 

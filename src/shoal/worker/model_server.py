@@ -117,7 +117,7 @@ class ModelServer:
         # A simulated model declares its footprint; a real one is measured.
         declared = spec.options.get("memory_mb") if runtime.simulated else None
         self.memory_mb = float(declared) if declared is not None else max(0.0, _rss_mb() - before)
-        if spec.task is not Task.GENERATE and not settings.max_batch_items:
+        if not settings.max_batch_items:
             self.budget = await tuned_budget(
                 js, spec, runtime, self._executor, self.worker_id, settings.max_batch_tokens
             )
@@ -272,7 +272,7 @@ class ModelServer:
         busy = self._busy.fraction()
         self.metrics.busy_fraction.set(busy)
         counters = self._ctx.counters if self._ctx is not None else None
-        slots = getattr(self._runtime, "max_sequences", 0) if self.spec.task is Task.GENERATE else 0
+        slots = getattr(self._scheduler, "slots", 0)
         status = WorkerStatus(
             worker_id=self.worker_id,
             model=self.spec.name,

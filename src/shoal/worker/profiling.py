@@ -2,11 +2,15 @@
 
 The first worker to load a model on a kind of hardware times the runtime at batch sizes 1, 2,
 4, ... and picks the largest size whose throughput is within 5% of the best seen, among sizes
-whose batch time stays within the latency target (`SHOAL_BATCH_LATENCY_TARGET`, seconds,
-default 1). The result goes to the `shoal_profiles` KV bucket under (model, runtime, spec,
-hardware fingerprint); every later worker with the same key reads it instead of profiling.
-Workers that start together race for the key with a KV create: one profiles, the others wait.
-The token budget is not profiled: it bounds memory on long texts and stays as configured.
+within the latency target. For embedding and rerank models a size is items per batch and the
+target bounds one batch's time (`SHOAL_BATCH_LATENCY_TARGET`, seconds, default 1); for a
+generative model a size is sequences decoded together (at most the runtime's max_sequences)
+and the target bounds one decode step, the time between two tokens of a stream
+(`SHOAL_TOKEN_LATENCY_TARGET`, default 0.2 s). The result goes to the `shoal_profiles` KV
+bucket under (model, runtime, spec, hardware fingerprint); every later worker with the same
+key reads it instead of profiling. Workers that start together race for the key with a KV
+create: one profiles, the others wait. The token budget is not profiled: it bounds memory on
+long texts and stays as configured.
 """
 
 from __future__ import annotations
@@ -30,13 +34,19 @@ from shoal.config import env_default
 from shoal.protocol import (
     BatchProfile,
     ModelSpec,
+    Task,
     decode_batch_profile,
     encode_json,
     name_token,
     now_ms,
 )
 from shoal.runtimes import run_texts
-from shoal.runtimes.base import EmbeddingRuntime, ScoringRuntime
+from shoal.runtimes.base import (
+    EmbeddingRuntime,
+    GenerationRuntime,
+    SamplingParams,
+    ScoringRuntime,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +55,7 @@ MIN_SECONDS_PER_SIZE = 0.2
 WITHIN_BEST = 0.95
 WAIT_FOR_OTHER_S = 120.0  # a profile claimed longer ago than this was abandoned
 _PROFILE_TEXT = "Sentence number {i} about pulling work from a shared queue, for profiling."
+MIN_STEPS_PER_SIZE = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +117,48 @@ def profile_batches(
     return Measurements(throughput, latency, choose_budget(throughput, latency, latency_target_s))
 
 
+def profile_sequences(runtime: GenerationRuntime, latency_target_s: float) -> Measurements:
+    """Time decode steps over 1, 2, 4 ... max_sequences sequences (in the executor thread).
+
+    Throughput is tokens per second over all sequences, latency the seconds per step; prompts
+    are processed before the timing starts, so only decoding is measured.
+    """
+    throughput: dict[int, float] = {}
+    latency: dict[int, float] = {}
+    largest = runtime.max_sequences
+    sizes = [s for s in PROFILE_SIZES if s < largest] + [largest]
+    for size in sizes:
+        seconds = _seconds_per_step(runtime, size)
+        throughput[size], latency[size] = size / seconds, seconds
+        if seconds > latency_target_s:
+            break  # more sequences only make each step longer
+    return Measurements(throughput, latency, choose_budget(throughput, latency, latency_target_s))
+
+
+def _seconds_per_step(runtime: GenerationRuntime, size: int) -> float:
+    prompts = [runtime.tokenize(_PROFILE_TEXT.format(i=i)) for i in range(size)]
+    room = runtime.context_length - max(len(p) for p in prompts) - 1
+    for slot, prompt in enumerate(prompts):
+        runtime.add_sequence(slot, prompt, SamplingParams(temperature=0.0))
+    try:
+        started: set[int] = set()
+        while len(started) < size and room > 0:  # process the prompts first
+            started.update(runtime.step())
+            room -= 1
+        steps, began = 0, time.perf_counter()
+        while steps < room and (
+            steps < MIN_STEPS_PER_SIZE or time.perf_counter() - began < MIN_SECONDS_PER_SIZE
+        ):
+            runtime.step()
+            steps += 1
+        if steps == 0:
+            raise ValueError("the context is too short to profile decoding")
+        return (time.perf_counter() - began) / steps
+    finally:
+        for slot in range(size):
+            runtime.remove_sequence(slot)
+
+
 def choose_budget(
     throughput: dict[int, float], latency_s: dict[int, float], latency_target_s: float
 ) -> int:
@@ -124,7 +177,7 @@ def choose_budget(
 async def tuned_budget(
     js: JetStreamContext,
     spec: ModelSpec,
-    runtime: EmbeddingRuntime | ScoringRuntime,
+    runtime: EmbeddingRuntime | ScoringRuntime | GenerationRuntime,
     executor: Executor,
     worker_id: str,
     max_batch_tokens: int,
@@ -141,9 +194,12 @@ async def tuned_budget(
         if await _claim(kv, key) or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.5)  # another worker is profiling this model: wait for it
-    target = env_default("BATCH_LATENCY_TARGET", 1.0)
+    if spec.task is Task.GENERATE:
+        profile, target = profile_sequences, env_default("TOKEN_LATENCY_TARGET", 0.2)
+    else:
+        profile, target = profile_batches, env_default("BATCH_LATENCY_TARGET", 1.0)
     loop = asyncio.get_running_loop()
-    measured = await loop.run_in_executor(executor, profile_batches, runtime, target)
+    measured = await loop.run_in_executor(executor, profile, runtime, target)
     profile = BatchProfile(
         model=spec.name,
         runtime=spec.runtime,

@@ -71,6 +71,9 @@ class WorkerSidecar:
         self._directory = ModelDirectory()
         self._history = BacklogHistory()
         self._measured_mb: dict[str, float] = {}
+        # Adapters that failed to load: name -> deployment revision, not tried again until
+        # the adapter is deployed again.
+        self._failed_adapters: dict[str, int] = {}
         self._metrics_url = ""
         self._nc: Client | None = None
         self._workers_kv: KeyValue | None = None
@@ -229,8 +232,16 @@ class WorkerSidecar:
                     await server.detach(name)
                     await self._forget_status([f"{self.worker_id}.{name_token(name)}"])
             for spec in wanted.values():
-                if spec.base == server.spec.name and spec.name not in server.adapters:
+                if spec.base != server.spec.name or spec.name in server.adapters:
+                    continue
+                revision = self._directory.revision(spec.name)
+                if self._failed_adapters.get(spec.name) == revision:
+                    continue
+                try:
                     await server.attach(spec)
+                except ModelLoadError as err:
+                    self._failed_adapters[spec.name] = revision
+                    log.error("%s (tried again when it is deployed again)", err)
 
     async def _unload_idle(self) -> None:
         limit = self.settings.idle_unload_s
