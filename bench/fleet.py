@@ -377,9 +377,7 @@ def budget_sweep(budgets: list[int], rounds: int, seconds: float, connections: i
                     elapsed = time.monotonic() - started
                     cores = cpu_share(before, cpu_seconds(up, worker), elapsed)
                     items, batches = up.batch_totals()
-                    budget = next(
-                        s.max_batch for s in up.worker_statuses() if s.pid == worker.pid
-                    )
+                    budget = next(s.max_batch for s in up.worker_statuses() if s.pid == worker.pid)
                 finally:
                     stop_worker(up, worker)
                 mean_batch = (items - items_before) / max(1.0, batches - batches_before)

@@ -11,9 +11,12 @@ file on first use. Then:
 2. throughput, 16 clients streaming completions back to back (closed loop, 32 tokens each):
    base only; base + one adapter (clients alternate); base + two adapters. llama.cpp applies an
    adapter to a whole decode, so each adapter in use adds a decode per step. Loads alternate
-   within each round; medians of the rounds.
+   within each round; medians of the rounds;
+3. the same splits in this process, no Shoal code: the llama.cpp runtime decoding 16
+   sequences (all base; all one adapter; 8 + 8; 6 + 5 + 5), seconds per step over 40 steps,
+   so the cluster's ratios can be read against the runtime's own.
 
-    python -m bench.lora_generation [--seconds 20] [--rounds 3] [--clients 16]
+    python -m bench.lora_generation [--seconds 20] [--rounds 3] [--clients 16] [--skip-cluster]
 """
 
 from __future__ import annotations
@@ -74,18 +77,45 @@ def hot_load(up: UpCluster, name: str, adapter: Path) -> dict[str, float]:
     return {"deploy_returns_s": returned, "first_200_s": time.perf_counter() - began}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--seconds", type=float, default=20)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--clients", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    args = parser.parse_args()
+RAW_SPLITS = {
+    "16 base": [None] * 16,
+    "16 adapter": [ADAPTERS[0]] * 16,
+    "8 base + 8 adapter": [None] * 8 + [ADAPTERS[0]] * 8,
+    "6 base + 5 + 5 of two adapters": [None] * 6 + [ADAPTERS[0]] * 5 + [ADAPTERS[1]] * 5,
+}
 
-    workdir = Path(tempfile.mkdtemp(prefix="shoal-lora-gen-"))
-    adapters = {name: workdir / name for name in ADAPTERS}
-    for seed, path in enumerate(adapters.values(), start=1):
-        make_adapter(path, seed)
+
+def raw_step_times(adapters: dict[str, Path], steps: int = 40) -> dict[str, dict[str, float]]:
+    """Seconds per decode step and tokens/s of the runtime alone, for each split."""
+    from shoal.runtimes.base import SamplingParams
+    from shoal.runtimes.llamacpp import LlamaCppRuntime
+
+    runtime = LlamaCppRuntime(BASE, SOURCE, {"max_sequences": 16, "context_length": 512})
+    for name, path in adapters.items():
+        runtime.add_adapter(name, str(path))
+    results = {}
+    try:
+        for label, split in RAW_SPLITS.items():
+            for slot, adapter in enumerate(split):
+                prompt = runtime.tokenize(f"Write a short note about item {slot} in the warehouse:")
+                runtime.add_sequence(slot, prompt, SamplingParams(temperature=0.0), adapter)
+            for _ in range(3):  # prompts, then a first token each
+                runtime.step()
+            began = time.perf_counter()
+            for _ in range(steps):
+                runtime.step()
+            seconds = (time.perf_counter() - began) / steps
+            for slot in range(len(split)):
+                runtime.remove_sequence(slot)
+            results[label] = {"ms_per_step": 1000 * seconds, "tokens_per_s": len(split) / seconds}
+            print(f"raw {label}: {1000 * seconds:.1f} ms a step, {len(split) / seconds:.1f} tok/s")
+    finally:
+        runtime.close()
+    return results
+
+
+def through_the_cluster(adapters: dict[str, Path], args: argparse.Namespace) -> dict:
+    """Parts 1 and 2: hot-load, then base-only and mixed loads alternating."""
     loads = {
         "base": [BASE],
         "base+1 adapter": [BASE, ADAPTERS[0]],
@@ -114,19 +144,35 @@ def main() -> None:
     }
     ratios = {label: medians[label] / medians["base"] for label in loads}
     print(", ".join(f"{k}: median {medians[k]:.1f} tok/s, ratio {ratios[k]:.2f}" for k in loads))
-    path = write_result(
-        "lora_generation",
-        {
-            "machine": machine_facts(),
-            "clients": args.clients,
-            "seconds": args.seconds,
-            "max_tokens": args.max_tokens,
-            "hot_load": hot,
-            "rounds": rounds,
-            "median_tokens_per_s": medians,
-            "ratio_to_base": ratios,
-        },
-    )
+    return {
+        "clients": args.clients,
+        "seconds": args.seconds,
+        "max_tokens": args.max_tokens,
+        "hot_load": hot,
+        "rounds": rounds,
+        "median_tokens_per_s": medians,
+        "ratio_to_base": ratios,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seconds", type=float, default=20)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--skip-cluster", action="store_true", help="only the in-process part")
+    args = parser.parse_args()
+
+    workdir = Path(tempfile.mkdtemp(prefix="shoal-lora-gen-"))
+    adapters = {name: workdir / name for name in ADAPTERS}
+    for seed, path in enumerate(adapters.values(), start=1):
+        make_adapter(path, seed)
+    result: dict = {"machine": machine_facts()}
+    if not args.skip_cluster:
+        result["cluster"] = through_the_cluster(adapters, args)
+    result["raw"] = raw_step_times(adapters)
+    path = write_result("lora_generation" + ("_raw" if args.skip_cluster else ""), result)
     print(f"wrote {path}")
 
 
