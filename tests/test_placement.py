@@ -170,7 +170,7 @@ def test_profile_is_computed_once_and_reused(nats, launcher: Launcher):
 
 def test_a_generative_profile_caps_the_sequences_decoded_together(nats, launcher: Launcher):
     # SIMULATED decoder: a step costs 5 ms + 20 ms per sequence. 16 sequences take 325 ms a
-    # step, past the 200 ms token-latency target; 8 take 165 ms and give the most tokens/s.
+    # step, past the 250 ms token-latency target; 8 take 165 ms and give the most tokens/s.
     deploy_sim(nats.url, "gen", Task.GENERATE, step_ms=5.0, seq_us=20000.0, max_sequences=16)
     _, url = launcher.gateway(nats.url)
     worker = launcher.worker(nats.url, "gen")
@@ -187,7 +187,7 @@ def test_a_generative_profile_caps_the_sequences_decoded_together(nats, launcher
 
     profile = asyncio.run(read_profile())
     assert profile.max_batch_items == 8
-    assert profile.latency_s[16] > 0.2 >= profile.latency_s[8]
+    assert profile.latency_s[16] > 0.25 >= profile.latency_s[8]
 
     def complete(i: int) -> httpx.Response:
         body = {"model": "gen", "prompt": f"p{i}", "max_tokens": 10}
