@@ -95,6 +95,30 @@ def test_scale_to_zero_and_back(nats, launcher: Launcher):
     assert again.json()["data"][0]["embedding"]
 
 
+def test_a_model_that_fails_to_load_is_not_retried_at_every_look(nats, launcher, tmp_path):
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"not a model")
+    spec = ModelSpec(name="broken", runtime="llamacpp", task=Task.GENERATE, source=str(broken))
+
+    async def deploy_broken() -> None:
+        nc = await connect(nats.url, name="test")
+        try:
+            await deploy(nc.jetstream(), spec, QueueSettings())
+        finally:
+            await nc.close()
+
+    asyncio.run(deploy_broken())
+    deploy_sim(nats.url, "healthy")
+    _, url = launcher.gateway(nats.url, "--request-timeout", "4")
+    worker = launcher.spawn("worker", "--nats", nats.url, "--fleet")
+    body = {"model": "broken", "prompt": "x", "max_tokens": 1}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 504  # waited in the queue for a worker that never came
+    # The fleet worker looked at the backlog every 0.5 s for 4 s, but tried to load once.
+    assert worker.log().count("cannot load broken") == 1
+    assert embed(url, "healthy").status_code == 200  # and it goes on serving the rest
+
+
 def test_placement_is_stable_under_a_steady_mixed_load(nats, launcher: Launcher):
     for name in ("steady-a", "steady-b"):
         deploy_sim(nats.url, name, memory_mb=600, batch_ms=5)

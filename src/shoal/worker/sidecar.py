@@ -50,6 +50,7 @@ from shoal.worker.placement import (
 log = logging.getLogger(__name__)
 
 STATUS_INTERVAL_S = 1.0
+RETRY_FAILED_S = 60.0  # a model or adapter that failed to load here is not tried sooner
 
 __all__ = ["ModelLoadError", "WorkerSidecar", "register_model"]
 
@@ -71,9 +72,8 @@ class WorkerSidecar:
         self._directory = ModelDirectory()
         self._history = BacklogHistory()
         self._measured_mb: dict[str, float] = {}
-        # Adapters that failed to load: name -> deployment revision, not tried again until
-        # the adapter is deployed again.
-        self._failed_adapters: dict[str, int] = {}
+        # Models and adapters that failed to load: name -> (deployment revision, when).
+        self._failed_loads: dict[str, tuple[int, float]] = {}
         self._metrics_url = ""
         self._nc: Client | None = None
         self._workers_kv: KeyValue | None = None
@@ -234,14 +234,12 @@ class WorkerSidecar:
             for spec in wanted.values():
                 if spec.base != server.spec.name or spec.name in server.adapters:
                     continue
-                revision = self._directory.revision(spec.name)
-                if self._failed_adapters.get(spec.name) == revision:
+                if self._failed_recently(spec.name):
                     continue
                 try:
                     await server.attach(spec)
                 except ModelLoadError as err:
-                    self._failed_adapters[spec.name] = revision
-                    log.error("%s (tried again when it is deployed again)", err)
+                    self._remember_failure(spec.name, err)
 
     async def _unload_idle(self) -> None:
         limit = self.settings.idle_unload_s
@@ -256,7 +254,7 @@ class WorkerSidecar:
         js = self._nc.jetstream()
         everything = self._directory.all()
         # An adapter is served by its base's workers: its backlog counts as the base's.
-        deployed = [spec for spec in everything if not spec.base]
+        deployed = [s for s in everything if not s.base and not self._failed_recently(s.name)]
         self._history.forget({spec.name for spec in deployed})
         backlog: dict[str, int] = {}
         for spec in everything:
@@ -274,10 +272,31 @@ class WorkerSidecar:
             # Announced before evicting anything: a worker that looks now sees it taken.
             server = await self._announce(spec, pinned=False)
             if await self._make_room(spec, holders):
-                await self._finish_load(server)
+                try:
+                    await self._finish_load(server)
+                except ModelLoadError as err:
+                    self._remember_failure(spec.name, err)
                 return  # one load per step: the next step sees the fleet anew
             del self.servers[spec.name]
             await self._forget_status(server.status_keys())
+
+    def _failed_recently(self, name: str) -> bool:
+        """True while a load of this deployment failed here less than RETRY_FAILED_S ago.
+
+        A deploy of the same name (a new KV revision) is tried at once.
+        """
+        failed = self._failed_loads.get(name)
+        if failed is None:
+            return False
+        revision, when = failed
+        return revision == self._directory.revision(name) and (
+            time.monotonic() - when < RETRY_FAILED_S
+        )
+
+    def _remember_failure(self, name: str, err: ModelLoadError) -> None:
+        # Not every 0.5 s: a broken model would be loaded again and again, and logged as often.
+        self._failed_loads[name] = (self._directory.revision(name), time.monotonic())
+        log.error("%s (tried again in %.0f s, or when deployed again)", err, RETRY_FAILED_S)
 
     async def _backlog(self, js, spec: ModelSpec) -> int:
         pending = await read_backlog(js, spec.name)
