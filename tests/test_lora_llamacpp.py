@@ -9,6 +9,7 @@ real gateway, worker and nats-server, beside sequences of the base model.
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -204,9 +205,14 @@ def test_adapters_on_a_llamacpp_deployment_through_the_cluster(
     wait_until(lambda: "cannot load the adapter broken-ft" in worker.log(), 30)
     assert asyncio.run(complete([base])) == [text[None]]
     assert worker.log().count("cannot load the adapter broken-ft") == 1
+    views = json.loads(shoal(nats_server.url, "models", "--json").stdout)
+    (broken_view,) = [v for v in views if v["name"] == "broken-ft"]
+    assert "cannot load the adapter broken-ft" in broken_view["errors"][0]
     fixed = shoal(nats_server.url, "deploy", "broken-ft", "--base", base, "--lora", str(gguf_file))
     assert fixed.returncode == 0, fixed.stderr
     assert asyncio.run(complete(["broken-ft"])) == [text["support-ft"]]
+    views = json.loads(shoal(nats_server.url, "models", "--json").stdout)
+    assert [v["errors"] for v in views if v["name"] == "broken-ft"] == [[]]
 
     # A directory that is not an adapter is refused before anything is written.
     refused = shoal(nats_server.url, "deploy", "x-ft", "--base", base, "--lora", str(path.parent))

@@ -8,6 +8,9 @@ can hold exactly one of them.
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -117,6 +120,16 @@ def test_a_model_that_fails_to_load_is_not_retried_at_every_look(nats, launcher,
     # The fleet worker looked at the backlog every 0.5 s for 4 s, but tried to load once.
     assert worker.log().count("cannot load broken") == 1
     assert embed(url, "healthy").status_code == 200  # and it goes on serving the rest
+    # `shoal models` says why the deployment is not served.
+    command = [sys.executable, "-m", "shoal", "models", "--nats", nats.url]
+    listed = subprocess.check_output([*command, "--json"], timeout=60)
+    views = {v["name"]: v for v in json.loads(listed)}
+    assert views["broken"]["workers_ready"] == 0
+    assert len(views["broken"]["errors"]) == 1
+    assert "cannot load broken on llamacpp" in views["broken"]["errors"][0]
+    assert views["healthy"]["errors"] == []
+    text = subprocess.check_output(command, text=True, timeout=60)
+    assert "broken: failed to load: cannot load broken" in text
 
 
 def test_placement_is_stable_under_a_steady_mixed_load(nats, launcher: Launcher):

@@ -451,6 +451,9 @@ def _models(args: argparse.Namespace) -> int:
             f"{v.name:<24} {v.task:<11} {runtime:<12} {v.workers_ready:>5} "
             f"{v.workers_loading:>7} {v.backlog:>7} {batch:>5}"
         )
+    for v in views:
+        for error in v.errors:
+            print(f"{v.name}: failed to load: {error}")
     return 0
 
 

@@ -124,6 +124,7 @@ class WorkerState(StrEnum):
     LOADING = "loading"
     READY = "ready"
     DRAINING = "draining"
+    FAILED = "failed"  # the model (or adapter) failed to load here; `error` says why
 
 
 class WorkerStatus(msgspec.Struct, kw_only=True):
@@ -153,6 +154,7 @@ class WorkerStatus(msgspec.Struct, kw_only=True):
     memory_mb: float = 0.0
     max_batch: int = 0  # the batch budget in items the worker runs with (tuned or given)
     last_used_ms: int = 0
+    error: str = ""  # state FAILED: why the load failed
 
 
 class BatchProfile(msgspec.Struct, kw_only=True):

@@ -43,6 +43,7 @@ class ModelView(msgspec.Struct, kw_only=True):
     backlog: int  # queued requests no worker has pulled yet
     batch_budget: int  # items per batch: the tuned profile's, or what its workers run with
     options: dict[str, Any] = msgspec.field(default_factory=dict)
+    errors: list[str] = msgspec.field(default_factory=list)  # why workers failed to load it
 
 
 async def model_views(js: JetStreamContext) -> list[ModelView]:
@@ -68,6 +69,7 @@ async def model_views(js: JetStreamContext) -> list[ModelView]:
                 backlog=await read_backlog(js, spec.name) or 0,
                 batch_budget=profiles.get(spec.name) or max(budgets, default=0),
                 options=spec.options,
+                errors=sorted({s.error for s in mine if s.state is WorkerState.FAILED}),
             )
         )
     return views

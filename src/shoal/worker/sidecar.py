@@ -19,6 +19,7 @@ import random
 import socket
 import time
 import uuid
+from dataclasses import dataclass
 
 import nats.js.errors
 from nats.aio.client import Client
@@ -37,7 +38,15 @@ from shoal.broker.jetstream import (
 from shoal.config import WorkerSettings
 from shoal.deployments import ModelDirectory
 from shoal.observability.fleet import read_worker_statuses
-from shoal.protocol import ModelSpec, WorkerState, decode_model_spec, encode_json, name_token
+from shoal.protocol import (
+    ModelSpec,
+    WorkerState,
+    WorkerStatus,
+    decode_model_spec,
+    encode_json,
+    name_token,
+    now_ms,
+)
 from shoal.worker.model_server import ModelLoadError, ModelServer
 from shoal.worker.placement import (
     BacklogHistory,
@@ -72,8 +81,8 @@ class WorkerSidecar:
         self._directory = ModelDirectory()
         self._history = BacklogHistory()
         self._measured_mb: dict[str, float] = {}
-        # Models and adapters that failed to load: name -> (deployment revision, when).
-        self._failed_loads: dict[str, tuple[int, float]] = {}
+        # Models and adapters that failed to load here, by name, reported while they stand.
+        self._failed_loads: dict[str, _FailedLoad] = {}
         self._metrics_url = ""
         self._nc: Client | None = None
         self._workers_kv: KeyValue | None = None
@@ -117,6 +126,7 @@ class WorkerSidecar:
             await placement_task
         await self._drain_all()
         status_task.cancel()
+        await self._forget_status([failed.key for failed in self._failed_loads.values()])
         await self._directory.stop()
         await nc.flush()
         await nc.close()
@@ -239,7 +249,7 @@ class WorkerSidecar:
                 try:
                     await server.attach(spec)
                 except ModelLoadError as err:
-                    self._remember_failure(spec.name, err)
+                    await self._remember_failure(spec, err)
 
     async def _unload_idle(self) -> None:
         limit = self.settings.idle_unload_s
@@ -275,7 +285,7 @@ class WorkerSidecar:
                 try:
                     await self._finish_load(server)
                 except ModelLoadError as err:
-                    self._remember_failure(spec.name, err)
+                    await self._remember_failure(spec, err)
                 return  # one load per step: the next step sees the fleet anew
             del self.servers[spec.name]
             await self._forget_status(server.status_keys())
@@ -286,17 +296,46 @@ class WorkerSidecar:
         A deploy of the same name (a new KV revision) is tried at once.
         """
         failed = self._failed_loads.get(name)
-        if failed is None:
-            return False
-        revision, when = failed
-        return revision == self._directory.revision(name) and (
-            time.monotonic() - when < RETRY_FAILED_S
+        return failed is not None and (
+            failed.revision == self._directory.revision(name)
+            and time.monotonic() - failed.when < RETRY_FAILED_S
         )
 
-    def _remember_failure(self, name: str, err: ModelLoadError) -> None:
+    async def _remember_failure(self, spec: ModelSpec, err: ModelLoadError) -> None:
         # Not every 0.5 s: a broken model would be loaded again and again, and logged as often.
-        self._failed_loads[name] = (self._directory.revision(name), time.monotonic())
+        # Its FAILED status tells `shoal models` why the deployment is not served.
         log.error("%s (tried again in %.0f s, or when deployed again)", err, RETRY_FAILED_S)
+        status = WorkerStatus(
+            worker_id=self.worker_id,
+            model=spec.name,
+            runtime=spec.runtime,
+            simulated=spec.runtime == "sim",
+            pid=os.getpid(),
+            state=WorkerState.FAILED,
+            metrics_url=self._metrics_url,
+            pinned=False,
+            error=str(err),
+        )
+        key = f"{self.worker_id}.{name_token(spec.name)}"
+        self._failed_loads[spec.name] = _FailedLoad(
+            self._directory.revision(spec.name), time.monotonic(), key, status
+        )
+        await self._report_failures()
+
+    async def _report_failures(self) -> None:
+        """Refresh the FAILED status of each failure that stands; forget the others."""
+        assert self._workers_kv is not None
+        for name, failed in list(self._failed_loads.items()):
+            if self._failed_recently(name):
+                failed.status.updated_ms = now_ms()
+                with contextlib.suppress(Exception):
+                    await self._workers_kv.put(failed.key, encode_json(failed.status))
+                continue
+            if self._failed_loads.pop(name, None) is None:
+                continue  # forgotten meanwhile
+            served = name in self.servers or any(name in s.adapters for s in self.servers.values())
+            if not served:  # not loaded here since: its key is the FAILED status alone
+                await self._forget_status([failed.key])
 
     async def _backlog(self, js, spec: ModelSpec) -> int:
         pending = await read_backlog(js, spec.name)
@@ -350,7 +389,18 @@ class WorkerSidecar:
             for name, server in list(self.servers.items()):
                 if self.servers.get(name) is server:  # not unloaded meanwhile
                     await server.report(self._workers_kv, self._metrics_url)
+            await self._report_failures()
             await asyncio.sleep(STATUS_INTERVAL_S)
+
+
+@dataclass(slots=True)
+class _FailedLoad:
+    """A model or adapter that failed to load here, and the status that says so."""
+
+    revision: int  # of the deployment that failed
+    when: float  # time.monotonic()
+    key: str  # in the workers KV bucket
+    status: WorkerStatus
 
 
 class _ModelsCollector:
