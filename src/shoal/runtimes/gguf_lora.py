@@ -43,7 +43,8 @@ def gguf_adapter_path(adapter: str, architecture: str, layers: int) -> Path:
     """A GGUF LoRA file llama.cpp can load for `adapter` (a GGUF file or a PEFT directory).
 
     A PEFT directory is converted on first use into the cache (keyed by the adapter's
-    content) and reused afterwards. Raises ValueError for what cannot be served.
+    content and the base's architecture) and reused afterwards. Raises ValueError for what
+    cannot be served.
     """
     path = Path(adapter).expanduser()
     if path.is_file():
@@ -52,7 +53,7 @@ def gguf_adapter_path(adapter: str, architecture: str, layers: int) -> Path:
         return path
     check_convertible(path)
     weights = path / "adapter_model.safetensors"
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(architecture.encode())  # the tensor names depend on it
     for part in (path / "adapter_config.json", weights):
         digest.update(part.read_bytes())
     target = cache_dir() / "adapters" / f"{path.name}-{digest.hexdigest()[:16]}.gguf"
