@@ -85,6 +85,11 @@ def name_token(name: str) -> str:
     return "".join(c if _SAFE_TOKEN_CHAR.match(c) else f"_{ord(c):02x}" for c in name)
 
 
+def worker_status_key(worker_id: str, model: str) -> str:
+    """The workers-KV key of one worker's report about one model (or adapter) it serves."""
+    return f"{worker_id}.{name_token(model)}"
+
+
 def work_subject(model: str) -> str:
     return f"{WORK_SUBJECT_PREFIX}.{name_token(model)}"
 

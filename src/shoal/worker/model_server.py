@@ -33,8 +33,8 @@ from shoal.protocol import (
     WorkerStatus,
     cancel_subject,
     encode_json,
-    name_token,
     now_ms,
+    worker_status_key,
 )
 from shoal.runtimes import load_runtime
 from shoal.worker.batching import WorkItem
@@ -78,7 +78,7 @@ class ModelServer:
         self.spec = spec
         self.settings = settings
         self.pinned = pinned
-        self.status_key = f"{worker_id}.{name_token(spec.name)}"
+        self.status_key = worker_status_key(worker_id, spec.name)
         self.state = WorkerState.LOADING
         self.memory_mb = 0.0
         self.loaded_at = time.monotonic()
@@ -264,7 +264,7 @@ class ModelServer:
         return [self.status_key, *(self._adapter_key(name) for name in self.adapters)]
 
     def _adapter_key(self, name: str) -> str:
-        return f"{self.worker_id}.{name_token(name)}"
+        return worker_status_key(self.worker_id, name)
 
     # -- status ----------------------------------------------------------------------------
 

@@ -46,6 +46,7 @@ from shoal.protocol import (
     encode_json,
     name_token,
     now_ms,
+    worker_status_key,
 )
 from shoal.worker.model_server import ModelLoadError, ModelServer
 from shoal.worker.placement import (
@@ -240,7 +241,7 @@ class WorkerSidecar:
             for name, feed in list(server.adapters.items()):
                 if wanted.get(name) != feed.spec:
                     await server.detach(name)
-                    await self._forget_status([f"{self.worker_id}.{name_token(name)}"])
+                    await self._forget_status([worker_status_key(self.worker_id, name)])
             for spec in wanted.values():
                 if spec.base != server.spec.name or spec.name in server.adapters:
                     continue
@@ -316,9 +317,11 @@ class WorkerSidecar:
             pinned=False,
             error=str(err),
         )
-        key = f"{self.worker_id}.{name_token(spec.name)}"
         self._failed_loads[spec.name] = _FailedLoad(
-            self._directory.revision(spec.name), time.monotonic(), key, status
+            self._directory.revision(spec.name),
+            time.monotonic(),
+            worker_status_key(self.worker_id, spec.name),
+            status,
         )
         await self._report_failures()
 
