@@ -21,6 +21,7 @@ connections, single-sentence requests, base64), then stopped. Same NATS, gateway
 for every budget: only the worker's budget differs. Medians are compared.
 
     python -m bench.fleet [--seconds 15] [--rounds 2] [--reps 3] [--budgets 16,32,64,128,256]
+    python -m bench.fleet --summarize bench/results/fleet_sweep_long.json   # medians, spread
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import random
 import shutil
 import signal
 import statistics
@@ -397,9 +399,6 @@ def budget_sweep(budgets: list[int], rounds: int, seconds: float, connections: i
                     f"{cores.get('worker', 0):.2f}, wrk cpu {load.client_cpu_s:.1f} s",
                     flush=True,
                 )
-    medians = {c: statistics.median(m["load"].rps for m in measurements[c]) for c in configs}
-    manual = {c: medians[c] for c in configs if c != "tuned"}
-    best = max(manual, key=manual.__getitem__)
     return {
         "budgets": budgets,
         "profiled_budget": chosen,
@@ -407,10 +406,52 @@ def budget_sweep(budgets: list[int], rounds: int, seconds: float, connections: i
         "profiles": profiles,
         "first_start_with_profiling_s": first_start_s,
         "measurements": measurements,
-        "median_rps": medians,
-        "best_manual_budget": int(best),
-        "ratio_tuned_to_best_manual": medians["tuned"] / manual[best],
+        **summarize_sweep({c: [m["load"].rps for m in ms] for c, ms in measurements.items()}),
     }
+
+
+def summarize_sweep(rps: dict[str, list[float]], resamples: int = 5000) -> dict:
+    """Medians, spread, and how sure the ratio tuned / best manual is, from req/s by round.
+
+    `rps` maps "tuned" and each manual budget to its measurements in round order. Besides the
+    ratio of medians: per-round ratios of tuned to each manual budget (the two measured in the
+    same round), and a bootstrap (resampling each budget's rounds) of the ratio of medians.
+    """
+    medians = {c: statistics.median(v) for c, v in rps.items()}
+    manual = [c for c in rps if c != "tuned"]
+    best = max(manual, key=medians.__getitem__)
+    paired = {
+        c: statistics.median(t / m for t, m in zip(rps["tuned"], rps[c], strict=True))
+        for c in manual
+    }
+    rng = random.Random(0)
+
+    def resampled_median(values: list[float]) -> float:
+        return statistics.median(rng.choices(values, k=len(values)))
+
+    ratios = sorted(
+        resampled_median(rps["tuned"]) / max(resampled_median(rps[c]) for c in manual)
+        for _ in range(resamples)
+    )
+    return {
+        "median_rps": medians,
+        "mean_rps": {c: statistics.mean(v) for c, v in rps.items()},
+        "sd_rps": {c: statistics.stdev(v) if len(v) > 1 else 0.0 for c, v in rps.items()},
+        "best_manual_budget": int(best),
+        "ratio_tuned_to_best_manual": medians["tuned"] / medians[best],
+        "median_paired_ratio_tuned_to": paired,
+        "bootstrap_ratio_5_95": [ratios[resamples // 20], ratios[resamples - resamples // 20]],
+    }
+
+
+def print_summary(summary: dict) -> None:
+    for name in ("median_rps", "mean_rps", "sd_rps", "median_paired_ratio_tuned_to"):
+        print(f"{name}: " + ", ".join(f"{c}: {v:.3f}" for c, v in summary[name].items()))
+    low, high = summary["bootstrap_ratio_5_95"]
+    print(
+        f"tuned / best manual ({summary['best_manual_budget']}): "
+        f"{summary['ratio_tuned_to_best_manual']:.3f} (bootstrap 5-95%: {low:.3f}-{high:.3f})"
+    )
 
 
 def main() -> None:
@@ -424,8 +465,18 @@ def main() -> None:
     parser.add_argument("--models", default="minilm,gemma", help="part 1: which deploys")
     parser.add_argument("--skip-deploy", action="store_true")
     parser.add_argument("--skip-sweep", action="store_true")
+    parser.add_argument(
+        "--summarize",
+        metavar="RESULT",
+        help="print the sweep summary of a result file, run nothing",
+    )
     parser.add_argument("--out", default="fleet")
     args = parser.parse_args()
+    if args.summarize:
+        sweep = json.loads(Path(args.summarize).read_text())["sweep"]
+        runs = {c: [m["load"]["rps"] for m in ms] for c, ms in sweep["measurements"].items()}
+        print_summary(summarize_sweep(runs))
+        return
     if not args.skip_sweep and not wrk_available():
         raise SystemExit("the budget sweep needs wrk (Debian package wrk)")
 
@@ -449,12 +500,8 @@ def main() -> None:
             "connections": args.connections,
             **sweep,
         }
-        medians = ", ".join(f"{c}: {r:.1f}" for c, r in sweep["median_rps"].items())
-        print(f"median req/s by budget: {medians}")
-        print(
-            f"tuned ({sweep['profiled_budget']}) / best manual "
-            f"({sweep['best_manual_budget']}): {sweep['ratio_tuned_to_best_manual']:.3f}"
-        )
+        print(f"profiled budget: {sweep['profiled_budget']}")
+        print_summary(sweep)
     result["wall_s"] = round(time.perf_counter() - began, 1)
     print(f"wrote {write_result(args.out, result)} after {result['wall_s']} s")
 

@@ -243,6 +243,28 @@ def run_load(url: str, model: str, connections: int, seconds: float, client: str
     return run_python_load(url, model, connections, seconds)
 
 
+def hot_load_adapter(
+    up: UpCluster, name: str, base: str, adapter: Path, route: str, body: dict
+) -> dict[str, float]:
+    """`shoal deploy NAME --base BASE --lora ADAPTER` on a running cluster, then one request
+    sent the moment the command returns: seconds to the command's return and to the first 200.
+    """
+    import httpx
+
+    began = time.perf_counter()
+    command = [sys.executable, "-m", "shoal", "deploy", name, "--base", base]
+    subprocess.run(
+        [*command, "--lora", str(adapter), "--nats", up.nats_url], check=True, capture_output=True
+    )
+    returned = time.perf_counter() - began
+    while True:
+        response = httpx.post(f"{up.url}{route}", json={"model": name, **body}, timeout=120)
+        if response.status_code == 200:
+            break
+        time.sleep(0.05)  # not yet known to the gateway: 404
+    return {"deploy_returns_s": returned, "first_200_s": time.perf_counter() - began}
+
+
 def write_result(name: str, payload: dict) -> Path:
     """Write `bench/results/<name>.json`, or to `name` itself when it is a path."""
     path = Path(name) if "/" in name else RESULTS_DIR / f"{name}.json"

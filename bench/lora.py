@@ -17,18 +17,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-
-from bench.harness import UpCluster, machine_facts, run_wrk, write_result
+from bench.harness import UpCluster, hot_load_adapter, machine_facts, run_wrk, write_result
 
 BASE = "all-MiniLM-L6-v2"
 ADAPTERS = ("ft-support", "ft-legal")
+HOT_LOAD_BODY = {"input": "how long until my adapter answers?"}
 
 
 def make_adapter(path: Path, seed: int) -> None:
@@ -44,22 +40,6 @@ def make_adapter(path: Path, seed: int) -> None:
     get_peft_model(model[0].model, config).save_pretrained(str(path))
 
 
-def hot_load(up: UpCluster, nats_url: str, name: str, adapter: Path) -> dict[str, float]:
-    began = time.perf_counter()
-    command = [sys.executable, "-m", "shoal", "deploy", name, "--base", BASE]
-    subprocess.run(
-        [*command, "--lora", str(adapter), "--nats", nats_url], check=True, capture_output=True
-    )
-    returned = time.perf_counter() - began
-    body = {"model": name, "input": "how long until my adapter answers?"}
-    while True:
-        response = httpx.post(f"{up.url}/v1/embeddings", json=body, timeout=60)
-        if response.status_code == 200:
-            break
-        time.sleep(0.05)  # not yet known to the gateway: 404
-    return {"deploy_returns_s": returned, "first_200_s": time.perf_counter() - began}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seconds", type=float, default=15)
@@ -73,9 +53,11 @@ def main() -> None:
     for seed, path in enumerate(adapters.values(), start=1):
         make_adapter(path, seed)
     with UpCluster("--max-batch-items", str(args.max_batch_items)) as up:
-        nats_url = up.nats_url
         run_wrk(up.url, BASE, args.connections, 5)  # warm up
-        loads = [hot_load(up, nats_url, name, path) for name, path in adapters.items()]
+        loads = [
+            hot_load_adapter(up, name, BASE, path, "/v1/embeddings", HOT_LOAD_BODY)
+            for name, path in adapters.items()
+        ]
         for name, load in zip(adapters, loads, strict=True):
             print(
                 f"hot-load {name}: deploy returned {load['deploy_returns_s']:.2f} s, "

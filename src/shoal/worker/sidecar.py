@@ -174,6 +174,7 @@ class WorkerSidecar:
         # next to nothing: the first (largest) measurement stands.
         server.memory_mb = max(server.memory_mb, self._measured_mb.get(spec.name, 0.0))
         self._measured_mb[spec.name] = server.memory_mb
+        self._failed_loads.pop(spec.name, None)  # its READY status replaces a FAILED one
         await server.report(self._workers_kv, self._metrics_url)
         return server
 
@@ -232,6 +233,7 @@ class WorkerSidecar:
 
     async def _follow_adapters(self) -> None:
         """Serve every LoRA deployment whose base is loaded here; stop serving removed ones."""
+        assert self._workers_kv is not None
         if not self._directory.loaded.is_set():
             return
         wanted = {s.name: s for s in self._directory.all() if s.base}
@@ -251,6 +253,10 @@ class WorkerSidecar:
                     await server.attach(spec)
                 except ModelLoadError as err:
                     await self._remember_failure(spec, err)
+                    continue
+                # Its status replaces a FAILED one at once, not at the next report.
+                self._failed_loads.pop(spec.name, None)
+                await server.report(self._workers_kv, self._metrics_url)
 
     async def _unload_idle(self) -> None:
         limit = self.settings.idle_unload_s
