@@ -44,14 +44,14 @@ import httpx
 
 from bench.harness import (
     UpCluster,
-    _cpu_seconds,
     cpu_share,
     machine_facts,
+    process_cpu_seconds,
     run_wrk,
     write_result,
     wrk_available,
 )
-from shoal.protocol import WorkerState
+from shoal.state.workers import WorkerState
 
 EMBED_MODEL = "all-MiniLM-L6-v2"
 CASES = {
@@ -100,7 +100,7 @@ class StatusWatch:
 
     async def start(self) -> None:
         from shoal.broker.connection import connect
-        from shoal.broker.jetstream import ensure_workers_kv
+        from shoal.state.workers import ensure_workers_kv
 
         self._nc = await connect(self.nats_url, name="bench-fleet-watch")
         kv = await ensure_workers_kv(self._nc.jetstream())
@@ -108,7 +108,7 @@ class StatusWatch:
         self._task = asyncio.create_task(self._follow(watcher))
 
     async def _follow(self, watcher) -> None:
-        from shoal.protocol import decode_worker_status
+        from shoal.state.workers import decode_worker_status
 
         while True:
             entry = await watcher.updates(timeout=None)
@@ -124,7 +124,7 @@ class StatusWatch:
             self.last[status.model] = {
                 "state": status.state.value,
                 "memory_mb": status.memory_mb,
-                "max_batch": status.max_batch,
+                "max_batch_items": status.max_batch_items,
                 "pinned": status.pinned,
                 "worker_id": status.worker_id,
             }
@@ -233,7 +233,7 @@ async def one_deploy(up: UpCluster, nats_url: str, name: str, case: dict, run: i
 
 async def read_profiles_of(nats_url: str) -> list[dict]:
     from shoal.broker.connection import connect
-    from shoal.worker.profiling import read_profiles
+    from shoal.state.profiles import read_profiles
 
     nc = await connect(nats_url, name="bench-fleet-profiles")
     try:
@@ -278,7 +278,7 @@ def deploy_to_first_response(name: str, reps: int, memory_mb: int) -> dict:
                     f"first 200 at {result['first_response_s']:.2f} s "
                     f"({result['requests_sent']} requests; warm request "
                     f"{1000 * result['warm_request_s']:.0f} ms); budget "
-                    f"{(result['shoal_models'] or {}).get('batch_budget')}, unloaded "
+                    f"{(result['shoal_models'] or {}).get('max_batch_items')}, unloaded "
                     f"{result['unloaded_after_undeploy_s']} s after undeploy",
                     flush=True,
                 )
@@ -339,7 +339,7 @@ def start_worker(up: UpCluster, flags: list[str]) -> subprocess.Popen[str]:
 
 def cpu_seconds(up: UpCluster, worker: subprocess.Popen[str]) -> dict[str, float]:
     """CPU time so far of the cluster's parts and of the worker (not a child of `shoal up`)."""
-    return {**up.component_cpu_seconds(), "worker": _cpu_seconds(worker.pid)}
+    return {**up.component_cpu_seconds(), "worker": process_cpu_seconds(worker.pid)}
 
 
 def stop_worker(up: UpCluster, worker: subprocess.Popen[str]) -> None:
@@ -363,7 +363,7 @@ def budget_sweep(budgets: list[int], rounds: int, seconds: float, connections: i
         first_start_s = round(time.perf_counter() - began, 2)
         views = models_json(up)
         profiles = asyncio.run(read_profiles_of(up.nats_url))
-        chosen = next(v["batch_budget"] for v in views if v["name"] == EMBED_MODEL)
+        chosen = next(v["max_batch_items"] for v in views if v["name"] == EMBED_MODEL)
         print(f"profiled budget (shoal models --json): {chosen}", flush=True)
         for round_no in range(rounds):
             order = configs if round_no % 2 == 0 else configs[::-1]
@@ -379,7 +379,9 @@ def budget_sweep(budgets: list[int], rounds: int, seconds: float, connections: i
                     elapsed = time.monotonic() - started
                     cores = cpu_share(before, cpu_seconds(up, worker), elapsed)
                     items, batches = up.batch_totals()
-                    budget = next(s.max_batch for s in up.worker_statuses() if s.pid == worker.pid)
+                    budget = next(
+                        s.max_batch_items for s in up.worker_statuses() if s.pid == worker.pid
+                    )
                 finally:
                     stop_worker(up, worker)
                 mean_batch = (items - items_before) / max(1.0, batches - batches_before)

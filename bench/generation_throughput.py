@@ -28,8 +28,8 @@ import httpx
 
 from bench.harness import UpCluster, cpu_share, machine_facts, write_result
 from shoal.catalog import resolve_model
-from shoal.runtimes import load_runtime
 from shoal.runtimes.base import SamplingParams
+from shoal.runtimes.registry import load_runtime
 
 PROMPT = "Write a short note about item {i} in the warehouse inventory:"
 CONCURRENCY = (1, 4, 8, 16)

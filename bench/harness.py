@@ -72,7 +72,7 @@ class UpCluster:
     def worker_statuses(self) -> list:
         """Every worker status report (one per worker and model it holds)."""
         from shoal.broker.connection import connect
-        from shoal.observability.fleet import read_worker_statuses
+        from shoal.state.workers import read_worker_statuses
 
         async def statuses():
             nc = await connect(self.nats_url, name="bench")
@@ -102,9 +102,9 @@ class UpCluster:
         """CPU time so far of each part of the cluster: nats, gateway, workers, supervisor."""
         assert self.process is not None
         totals: dict[str, float] = {}
-        for pid in _tree(self.process.pid):
-            name = _component(pid)
-            totals[name] = totals.get(name, 0.0) + _cpu_seconds(pid)
+        for pid in process_tree(self.process.pid):
+            name = component_of(pid)
+            totals[name] = totals.get(name, 0.0) + process_cpu_seconds(pid)
         return totals
 
 
@@ -287,7 +287,7 @@ def machine_facts() -> dict[str, object]:
     }
 
 
-def _tree(root: int) -> list[int]:
+def process_tree(root: int) -> list[int]:
     parents: dict[int, int] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -301,7 +301,7 @@ def _tree(root: int) -> list[int]:
     return found
 
 
-def _component(pid: int) -> str:
+def component_of(pid: int) -> str:
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
@@ -321,7 +321,7 @@ def cpu_share(
     return {k: round((after.get(k, 0) - before.get(k, 0)) / seconds, 3) for k in after}
 
 
-def _cpu_seconds(pid: int) -> float:
+def process_cpu_seconds(pid: int) -> float:
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:

@@ -18,16 +18,11 @@ import pytest
 
 from shoal.broker.connection import connect
 from shoal.broker.embedded import EmbeddedNats
-from shoal.broker.jetstream import ensure_models_kv, ensure_work_stream
+from shoal.broker.jetstream import ensure_work_stream
 from shoal.config import QueueSettings
-from shoal.observability.fleet import read_worker_statuses
-from shoal.protocol import (
-    ModelSpec,
-    WorkerState,
-    WorkerStatus,
-    encode_json,
-    name_token,
-)
+from shoal.protocol import ModelSpec, encode_json, name_token
+from shoal.state.deployments import ensure_models_kv
+from shoal.state.workers import WorkerState, WorkerStatus, read_worker_statuses
 
 # Short enough that the SIGKILL test sees redelivery within seconds.
 TEST_ENV = {"SHOAL_ACK_WAIT": "2", "SHOAL_THREADS": "1", "SHOAL_LOG_LEVEL": "WARNING"}

@@ -73,7 +73,7 @@ def test_deploy_use_undeploy_over_the_cli(cluster):
         10,
     )
     assert view["runtime"] == "sim" and view["simulated"] is True
-    assert view["batch_budget"] > 0  # profiled on first load: no batch flag was given
+    assert view["max_batch_items"] > 0  # profiled on first load: no batch flag was given
     assert view["backlog"] == 0
 
     result = shoal(nats_url, "undeploy", "cli-model")

@@ -52,7 +52,7 @@ def test_new_request_joins_the_running_batch(nats_server, session_launcher, gate
     status = wait_until(
         lambda: (s := worker_status(nats_server.url, worker.pid)) and s.items_done >= 2 and s, 10
     )
-    assert status.max_running_sequences == 2
+    assert status.largest_batch == 2
 
 
 def test_workers_pull_no_more_than_their_free_slots(nats_server, session_launcher, gateway_url):
@@ -81,7 +81,7 @@ def test_workers_pull_no_more_than_their_free_slots(nats_server, session_launche
     statuses = wait_until(done, 10)
     # Had one worker pulled all four, the other would have done nothing.
     assert [s.items_done for s in statuses] == [2, 2]
-    assert all(s.max_running_sequences <= 2 for s in statuses)
+    assert all(s.largest_batch <= 2 for s in statuses)
 
 
 def _wait_for_tokens(nats_url: str, pid: int) -> None:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.errors import ApiError
+from shoal.api.errors import ApiError
+from shoal.api.generation import ChatTurn, parse_generation_request
 from shoal.protocol import Endpoint
-from shoal.worker.chat_template import ChatTurn, render_chat
-from shoal.worker.generation import TextAssembler, parse_generation_request
+from shoal.worker.tasks.chat_template import render_chat
+from shoal.worker.tasks.text import TextAssembler
 
 
 def _feed(assembler: TextAssembler, pieces: list[bytes]) -> list[str]:

@@ -21,10 +21,11 @@ from conftest import Launcher, wait_until, worker_statuses
 
 from shoal.broker.connection import connect
 from shoal.broker.embedded import EmbeddedNats
-from shoal.broker.jetstream import ensure_profiles_kv
 from shoal.config import QueueSettings
-from shoal.deployments import deploy
-from shoal.protocol import ModelSpec, Task, WorkerState, decode_batch_profile
+from shoal.protocol import ModelSpec, Task
+from shoal.state.deployments import deploy
+from shoal.state.profiles import decode_batch_profile, ensure_profiles_kv
+from shoal.state.workers import WorkerState
 from shoal.worker.placement import (
     BacklogHistory,
     Resident,
@@ -198,7 +199,7 @@ def test_profile_is_computed_once_and_reused(nats, launcher: Launcher):
     assert len(profile.throughput) >= 2  # several batch sizes were timed
     second = launcher.worker(nats.url, "profiled")
     assert asyncio.run(read_profile()) == (revision, profile)  # not written again
-    budgets = {s.pid: s.max_batch for s in worker_statuses(nats.url)}
+    budgets = {s.pid: s.max_batch_items for s in worker_statuses(nats.url)}
     assert budgets == {first.pid: profile.max_batch_items, second.pid: profile.max_batch_items}
 
 
@@ -209,7 +210,7 @@ def test_a_generative_profile_caps_the_sequences_decoded_together(nats, launcher
     _, url = launcher.gateway(nats.url)
     worker = launcher.worker(nats.url, "gen")
     status = next(s for s in worker_statuses(nats.url) if s.pid == worker.pid)
-    assert status.slots == status.max_batch == 8
+    assert status.slots == status.max_batch_items == 8
 
     async def read_profile():
         nc = await connect(nats.url, name="test")
@@ -242,7 +243,7 @@ def test_a_generative_profile_caps_the_sequences_decoded_together(nats, launcher
         ),
         10,
     )
-    assert done.max_running_sequences == 8  # 12 waiting, 8 decoded together, never more
+    assert done.largest_batch == 8  # 12 waiting, 8 decoded together, never more
 
 
 # -- the decisions on their own ---------------------------------------------------------

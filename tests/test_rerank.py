@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from conftest import deploy_without_workers, wait_until, worker_status, worker_statuses
 
+from shoal.api.rerank import MAX_DOCUMENTS_PER_REQUEST
 from shoal.protocol import Endpoint, ModelSpec, Task
 from shoal.runtimes.sim import SimEmbeddingRuntime, pseudo_embedding, simulated_token_count
-from shoal.worker.embeddings import EmbeddingsHandler
-from shoal.worker.rerank import MAX_DOCUMENTS_PER_REQUEST
+from shoal.worker.tasks.embed import EmbeddingsHandler
 
 SIM_MODEL = "sim-rerank"
 CROSS_MODEL = "tiny-cross-encoder"

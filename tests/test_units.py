@@ -9,14 +9,14 @@ import msgspec
 import numpy as np
 import pytest
 
+from shoal.api.errors import ApiError
 from shoal.catalog import resolve_model
-from shoal.errors import ApiError
 from shoal.observability.metrics import BusyMeter
 from shoal.protocol import Endpoint, is_valid_model_name, name_token, work_subject
 from shoal.runtimes.base import EmbedOutput
 from shoal.runtimes.sim import SimEmbeddingRuntime, pseudo_embedding
-from shoal.worker.batching import WorkItem, take_batch
-from shoal.worker.embeddings import EmbeddingsHandler
+from shoal.worker.items import WorkItem, take_batch
+from shoal.worker.tasks.embed import EmbeddingsHandler
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.harness import _cpu_seconds, _tree, free_port
+from bench.harness import free_port, process_cpu_seconds, process_tree
 from shoal.process import child_preexec
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -146,4 +146,4 @@ class PeerServer:
     def component_cpu_seconds(self) -> dict[str, float]:
         """CPU time so far of the peer's whole process tree."""
         assert self.process is not None
-        return {self.name: sum(_cpu_seconds(pid) for pid in _tree(self.process.pid))}
+        return {self.name: sum(process_cpu_seconds(pid) for pid in process_tree(self.process.pid))}

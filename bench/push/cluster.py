@@ -14,7 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.harness import _cpu_seconds, free_port
+from bench.harness import free_port, process_cpu_seconds
 from shoal.process import child_preexec
 from shoal.protocol import ModelSpec, encode_json
 
@@ -115,8 +115,8 @@ class PushCluster:
         """CPU time so far of the router and of all workers together."""
         totals = {"router": 0.0, "worker": 0.0}
         if self._router is not None:
-            totals["router"] = _cpu_seconds(self._router.pid)
-        totals["worker"] = sum(_cpu_seconds(p.pid) for p in self._workers)
+            totals["router"] = process_cpu_seconds(self._router.pid)
+        totals["worker"] = sum(process_cpu_seconds(p.pid) for p in self._workers)
         return totals
 
     def _processes(self) -> list[subprocess.Popen[bytes]]:

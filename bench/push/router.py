@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.http1 import Http1Connection, build_request
-from bench.push.worker import _JSON, _read_body, _respond, serve
+from bench.push.worker import JSON_TYPE, read_body, respond, serve
 
 POLICIES = ("rr", "lor", "p2c")
 
@@ -61,11 +61,11 @@ class PushRouter:
             return
         path = scope["path"]
         if scope["method"] == "POST" and path.startswith("/v1/"):
-            body = await _read_body(receive)
+            body = await read_body(receive)
             status, answer = await self._forward(path, body)
             if status == 0:
                 status, answer = 502, b'{"error":{"message":"worker connection failed"}}'
-            await _respond(send, status, answer, _JSON)
+            await respond(send, status, answer, JSON_TYPE)
         elif path == "/status":
             status = {
                 "policy": self.policy,
@@ -75,11 +75,11 @@ class PushRouter:
                 "waiting": len(self._waiting),
                 "max_waiting": self.max_waiting,
             }
-            await _respond(send, 200, json.dumps(status).encode(), _JSON)
+            await respond(send, 200, json.dumps(status).encode(), JSON_TYPE)
         elif path == "/healthz":
-            await _respond(send, 200, b"{}", _JSON)
+            await respond(send, 200, b"{}", JSON_TYPE)
         else:
-            await _respond(send, 404, b'{"error":"not found"}', _JSON)
+            await respond(send, 404, b'{"error":"not found"}', JSON_TYPE)
 
     async def _forward(self, path: str, body: bytes) -> tuple[int, bytes]:
         index = self._choose()

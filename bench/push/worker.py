@@ -27,12 +27,11 @@ import msgspec
 from shoal.gateway.routing import estimate_tokens
 from shoal.observability.metrics import BusyMeter, WorkerMetrics
 from shoal.protocol import ModelSpec
-from shoal.runtimes import load_runtime
-from shoal.worker.batching import take_batch
-from shoal.worker.embeddings import EmbeddingsHandler
-from shoal.worker.outbox import Reply
+from shoal.runtimes.registry import load_runtime
+from shoal.worker.items import Reply, take_batch
+from shoal.worker.tasks.embed import EmbeddingsHandler
 
-_JSON = (b"content-type", b"application/json")
+JSON_TYPE = (b"content-type", b"application/json")
 _TEXT = (b"content-type", b"text/plain; version=0.0.4; charset=utf-8")
 
 
@@ -77,11 +76,11 @@ class PushWorker:
             return
         path, method = scope["path"], scope["method"]
         if method == "POST" and path == "/v1/embeddings":
-            body = await _read_body(receive)
+            body = await read_body(receive)
             reply = await self._enqueue(body)
-            await _respond(send, reply.status, reply.body, _JSON)
+            await respond(send, reply.status, reply.body, JSON_TYPE)
         elif path == "/metrics":
-            await _respond(send, 200, self.metrics.render(), _TEXT)
+            await respond(send, 200, self.metrics.render(), _TEXT)
         elif path == "/status":
             status = {
                 "busy_fraction": self.busy.fraction(),
@@ -90,11 +89,11 @@ class PushWorker:
                 "max_batch_items": self.max_batch,
                 "queued": len(self._pending),
             }
-            await _respond(send, 200, json.dumps(status).encode(), _JSON)
+            await respond(send, 200, json.dumps(status).encode(), JSON_TYPE)
         elif path == "/healthz":
-            await _respond(send, 200 if self._handler else 503, b"{}", _JSON)
+            await respond(send, 200 if self._handler else 503, b"{}", JSON_TYPE)
         else:
-            await _respond(send, 404, b'{"error":"not found"}', _JSON)
+            await respond(send, 404, b'{"error":"not found"}', JSON_TYPE)
 
     async def _lifespan(self, receive, send) -> None:
         while True:
@@ -171,7 +170,7 @@ class PushWorker:
                 await asyncio.wait_for(self._arrived.wait(), remaining)
 
 
-async def _read_body(receive) -> bytes:
+async def read_body(receive) -> bytes:
     chunks = []
     while True:
         message = await receive()
@@ -180,7 +179,7 @@ async def _read_body(receive) -> bytes:
             return b"".join(chunks)
 
 
-async def _respond(send, status: int, body: bytes, content_type: tuple[bytes, bytes]) -> None:
+async def respond(send, status: int, body: bytes, content_type: tuple[bytes, bytes]) -> None:
     headers = [content_type, (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -20,9 +20,16 @@ from shoal.cluster_file import (
     state_dir,
     write_cluster_info,
 )
-from shoal.config import GatewaySettings, WorkerSettings, default_memory_budget_mb, env_default
+from shoal.config import (
+    GatewaySettings,
+    LatencyTargets,
+    QueueSettings,
+    WorkerSettings,
+    default_memory_budget_mb,
+    env_default,
+)
 from shoal.protocol import ModelSpec, Task, is_valid_model_name
-from shoal.runtimes import check_runtime
+from shoal.runtimes.registry import check_runtime
 
 
 def _parse_option(text: str) -> tuple[str, object]:
@@ -173,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     models = commands.add_parser("models", help="deployments, their workers, backlog, budget")
     _add_nats(models)
     models.add_argument("--json", action="store_true", help="one JSON document")
+
+    runtimes = commands.add_parser("runtimes", help="the runtimes, what each serves, installed?")
+    runtimes.add_argument("--json", action="store_true", help="one JSON document")
     return parser
 
 
@@ -234,6 +244,7 @@ def main(argv: list[str] | None = None) -> None:
         "deploy": _deploy,
         "undeploy": _undeploy,
         "models": _models,
+        "runtimes": _runtimes,
     }[args.command]
     sys.exit(handler(args) or 0)
 
@@ -292,6 +303,7 @@ def _gateway(args: argparse.Namespace) -> int:
         stream_idle_timeout_s=args.stream_idle_timeout,
         http_server=args.http_server,
         admin_token=args.admin_token,
+        queue=QueueSettings.from_environment(),
     )
     serve(settings)
     return 0
@@ -322,6 +334,9 @@ def _worker(args: argparse.Namespace) -> int:
         memory_budget_mb=args.memory_budget_mb or default_memory_budget_mb(),
         idle_unload_s=args.idle_unload,
         min_residency_s=args.min_residency,
+        queue=QueueSettings.from_environment(),
+        latency_targets=LatencyTargets.from_environment(),
+        runtime_threads=env_default("THREADS", 0),
     )
     sidecar = WorkerSidecar(settings)
 
@@ -368,7 +383,7 @@ def _nats(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     from shoal.broker.connection import connect
-    from shoal.observability.fleet import read_worker_statuses
+    from shoal.state.workers import read_worker_statuses
 
     async def show() -> None:
         nc = await connect(resolve_nats_url(args.nats), name="shoal-status")
@@ -376,13 +391,14 @@ def _status(args: argparse.Namespace) -> int:
         await nc.close()
         print(
             f"{'WORKER':<36} {'MODEL':<22} {'RUNTIME':<12} {'STATE':<9} "
-            f"{'ITEMS':>8} {'MAXBATCH':>8} {'BUSY':>6}"
+            f"{'ITEMS':>8} {'BUDGET':>6} {'LARGEST':>7} {'BUSY':>6}"
         )
         for s in statuses:
             runtime = f"{s.runtime} (sim)" if s.simulated else s.runtime
             print(
                 f"{s.worker_id:<36} {s.model:<22} {runtime:<12} {s.state.value:<9} "
-                f"{s.items_done:>8} {s.max_batch_items:>8} {s.busy_fraction:>6.0%}"
+                f"{s.items_done:>8} {s.max_batch_items:>6} {s.largest_batch:>7} "
+                f"{s.busy_fraction:>6.0%}"
             )
 
     asyncio.run(show())
@@ -390,8 +406,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _deploy(args: argparse.Namespace) -> int:
-    from shoal.config import QueueSettings
-    from shoal.deployments import DeploymentError, deploy, lora_spec
+    from shoal.state.deployments import DeploymentError, deploy, lora_spec
 
     if bool(args.base) != bool(args.lora):
         raise SystemExit("shoal deploy: --base and --lora go together")
@@ -402,7 +417,7 @@ def _deploy(args: argparse.Namespace) -> int:
                 spec = await lora_spec(js, args.name, args.base, args.lora)
             else:
                 spec = _model_spec(args, name=args.name)
-            await deploy(js, spec, QueueSettings())
+            await deploy(js, spec, QueueSettings.from_environment())
             return spec
 
     try:
@@ -414,7 +429,7 @@ def _deploy(args: argparse.Namespace) -> int:
 
 
 def _undeploy(args: argparse.Namespace) -> int:
-    from shoal.deployments import DeploymentError, undeploy
+    from shoal.state.deployments import DeploymentError, undeploy
 
     async def run() -> None:
         async with _jetstream(args, "shoal-undeploy") as js:
@@ -429,8 +444,8 @@ def _undeploy(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from shoal.observability.fleet import model_views
     from shoal.protocol import encode_json
+    from shoal.state.fleet import model_views
 
     async def run():
         async with _jetstream(args, "shoal-models") as js:
@@ -446,7 +461,7 @@ def _models(args: argparse.Namespace) -> int:
     )
     for v in views:
         runtime = f"{v.runtime} (sim)" if v.simulated else v.runtime
-        batch = str(v.batch_budget) if v.batch_budget else "-"
+        batch = str(v.max_batch_items) if v.max_batch_items else "-"
         print(
             f"{v.name:<24} {v.task:<11} {runtime:<12} {v.workers_ready:>5} "
             f"{v.workers_loading:>7} {v.backlog:>7} {batch:>5}"
@@ -454,6 +469,35 @@ def _models(args: argparse.Namespace) -> int:
     for v in views:
         for error in v.errors:
             print(f"{v.name}: failed to load: {error}")
+    return 0
+
+
+def _runtimes(args: argparse.Namespace) -> int:
+    from shoal.protocol import encode_json
+    from shoal.runtimes.registry import RUNTIME_RECORDS
+
+    rows = [
+        {
+            "name": r.name,
+            "tasks": [t.value for t in r.tasks],
+            "adapters": [t.value for t in r.adapter_tasks],
+            "adapter_formats": list(r.adapter_formats),
+            "simulated": r.simulated,
+            "installed": r.installed(),
+            "extra": r.extra,
+            "summary": r.summary,
+        }
+        for r in RUNTIME_RECORDS.values()
+    ]
+    if args.json:
+        print(encode_json(rows).decode())
+        return 0
+    print(f"{'RUNTIME':<10} {'TASKS':<28} {'LORA':<20} {'INSTALLED':<10} SUMMARY")
+    for row in rows:
+        installed = "yes" if row["installed"] else f"no: pip install 'shoal[{row['extra']}]'"
+        tasks = ",".join(row["tasks"])
+        lora = ",".join(row["adapters"]) or "-"
+        print(f"{row['name']:<10} {tasks:<28} {lora:<20} {installed:<10} {row['summary']}")
     return 0
 
 

@@ -26,10 +26,36 @@ def env_default(name: str, fallback: T) -> T:
 class QueueSettings:
     """Limits of the work stream and its consumers (set by whoever creates them first)."""
 
-    max_queued_per_model: int = field(default_factory=lambda: env_default("MAX_QUEUED", 10_000))
-    ack_wait_s: float = field(default_factory=lambda: env_default("ACK_WAIT", 10.0))
-    max_deliver: int = field(default_factory=lambda: env_default("MAX_DELIVER", 5))
-    duplicate_window_s: float = field(default_factory=lambda: env_default("DEDUP_WINDOW", 120.0))
+    max_queued_per_model: int = 10_000
+    ack_wait_s: float = 10.0
+    max_deliver: int = 5
+    duplicate_window_s: float = 120.0
+
+    @classmethod
+    def from_environment(cls) -> QueueSettings:
+        """`SHOAL_MAX_QUEUED`, `SHOAL_ACK_WAIT`, `SHOAL_MAX_DELIVER`, `SHOAL_DEDUP_WINDOW`."""
+        return cls(
+            max_queued_per_model=env_default("MAX_QUEUED", cls.max_queued_per_model),
+            ack_wait_s=env_default("ACK_WAIT", cls.ack_wait_s),
+            max_deliver=env_default("MAX_DELIVER", cls.max_deliver),
+            duplicate_window_s=env_default("DEDUP_WINDOW", cls.duplicate_window_s),
+        )
+
+
+@dataclass(frozen=True)
+class LatencyTargets:
+    """What the batch profile may spend: one batch's time, and the time between two tokens."""
+
+    batch_s: float = 1.0
+    token_s: float = 0.25  # at least 4 tokens a second per stream, about reading speed
+
+    @classmethod
+    def from_environment(cls) -> LatencyTargets:
+        """`SHOAL_BATCH_LATENCY_TARGET` and `SHOAL_TOKEN_LATENCY_TARGET` (seconds)."""
+        return cls(
+            batch_s=env_default("BATCH_LATENCY_TARGET", cls.batch_s),
+            token_s=env_default("TOKEN_LATENCY_TARGET", cls.token_s),
+        )
 
 
 @dataclass(frozen=True)
@@ -76,3 +102,6 @@ class WorkerSettings:
     idle_unload_s: float = 600.0  # a placed model with no work this long is unloaded; 0: never
     min_residency_s: float = 10.0  # a placed model is not evicted sooner (no thrashing)
     placement_interval_s: float = 0.5
+    latency_targets: LatencyTargets = field(default_factory=LatencyTargets)
+    # Threads each runtime may use (torch, llama.cpp); 0: the runtime's own choice.
+    runtime_threads: int = 0

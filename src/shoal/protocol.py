@@ -1,5 +1,7 @@
 """What travels between gateway and workers: subjects, header names and wire types.
 
+(What is stored in KV buckets, and their types, is in `shoal.state`.)
+
 Both sides import this module and nothing of each other. Request and response bodies are
 opaque bytes here: the gateway never decodes more than routing needs, the worker decodes once.
 """
@@ -17,10 +19,6 @@ WORK_STREAM = "SHOAL_WORK"
 WORK_SUBJECT_PREFIX = "shoal.work"
 REPLY_SUBJECT_PREFIX = "shoal.reply"
 CANCEL_SUBJECT_PREFIX = "shoal.cancel"
-MODELS_BUCKET = "shoal_models"
-WORKERS_BUCKET = "shoal_workers"
-PROFILES_BUCKET = "shoal_profiles"
-WORKER_STATUS_TTL_S = 15.0
 
 
 class Header:
@@ -32,7 +30,7 @@ class Header:
     DEADLINE = "Shoal-Deadline"  # unix time in milliseconds
     SENT = "Shoal-Sent"  # unix time in milliseconds, for queue-wait metrics
     COST = "Shoal-Cost"  # estimated tokens
-    TASK = "Shoal-Task"  # the API endpoint: an Endpoint value
+    ENDPOINT = "Shoal-Endpoint"  # the API endpoint: an Endpoint value
     STREAM = "Shoal-Stream"  # "1": reply with a sequence of chunks, not one body
     STATUS = "Shoal-Status"  # HTTP status of a reply
     SEQ = "Shoal-Seq"  # position of a chunk in a streamed reply, from 0
@@ -85,11 +83,6 @@ def name_token(name: str) -> str:
     return "".join(c if _SAFE_TOKEN_CHAR.match(c) else f"_{ord(c):02x}" for c in name)
 
 
-def worker_status_key(worker_id: str, model: str) -> str:
-    """The workers-KV key of one worker's report about one model (or adapter) it serves."""
-    return f"{worker_id}.{name_token(model)}"
-
-
 def work_subject(model: str) -> str:
     return f"{WORK_SUBJECT_PREFIX}.{name_token(model)}"
 
@@ -125,59 +118,5 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     adapter: str = ""
 
 
-class WorkerState(StrEnum):
-    LOADING = "loading"
-    READY = "ready"
-    DRAINING = "draining"
-    FAILED = "failed"  # the model (or adapter) failed to load here; `error` says why
-
-
-class WorkerStatus(msgspec.Struct, kw_only=True):
-    """What a worker reports about itself in the workers KV bucket, about once a second."""
-
-    worker_id: str
-    model: str
-    runtime: str
-    simulated: bool
-    pid: int
-    state: WorkerState
-    metrics_url: str = ""
-    items_done: int = 0
-    redelivered: int = 0  # items this worker got after another delivery was not acked
-    batches: int = 0
-    max_batch_items: int = 0
-    slots: int = 0  # generative workers: sequences decoded together at most
-    running_sequences: int = 0
-    max_running_sequences: int = 0  # the most sequences seen in one decode step
-    tokens_generated: int = 0
-    cancelled: int = 0
-    busy_fraction: float = 0.0
-    updated_ms: int = 0
-    # Placement (issue 5): a pinned model was named when the worker started and is never
-    # evicted; memory is what loading the model took (measured; declared by `sim`).
-    pinned: bool = True
-    memory_mb: float = 0.0
-    max_batch: int = 0  # the batch budget in items the worker runs with (tuned or given)
-    last_used_ms: int = 0
-    error: str = ""  # state FAILED: why the load failed
-
-
-class BatchProfile(msgspec.Struct, kw_only=True):
-    """A batch budget found by profiling a model on one kind of hardware (the profiles KV)."""
-
-    model: str
-    runtime: str
-    hardware: str
-    max_batch_items: int
-    max_batch_tokens: int
-    # batch size -> items per second and seconds per batch, as measured
-    throughput: dict[int, float] = msgspec.field(default_factory=dict)
-    latency_s: dict[int, float] = msgspec.field(default_factory=dict)
-    profiled_by: str = ""
-    profiled_ms: int = 0
-
-
 encode_json = msgspec.json.Encoder().encode
 decode_model_spec = msgspec.json.Decoder(ModelSpec).decode
-decode_worker_status = msgspec.json.Decoder(WorkerStatus).decode
-decode_batch_profile = msgspec.json.Decoder(BatchProfile).decode

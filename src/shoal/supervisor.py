@@ -26,14 +26,10 @@ from shoal.cluster_file import (
     write_cluster_info,
 )
 from shoal.config import QueueSettings
-from shoal.deployments import DeploymentError, deploy
-from shoal.observability.fleet import read_worker_statuses
 from shoal.process import child_preexec
-from shoal.protocol import (
-    ModelSpec,
-    WorkerState,
-    encode_json,
-)
+from shoal.protocol import ModelSpec, encode_json
+from shoal.state.deployments import DeploymentError, deploy
+from shoal.state.workers import WorkerState, read_worker_statuses
 
 STOP_TIMEOUT_S = 30.0
 READY_TIMEOUT_S = 300.0
@@ -120,7 +116,7 @@ class Supervisor:
     async def _prepare_queue(self) -> None:
         nc = await connect(self.nats_url, name="shoal-up")
         try:
-            await deploy(nc.jetstream(), self.options.model, QueueSettings())
+            await deploy(nc.jetstream(), self.options.model, QueueSettings.from_environment())
         finally:
             await nc.close()
 

@@ -1,4 +1,6 @@
-"""JetStream objects Shoal uses: the work stream, one durable pull consumer per model, KV buckets.
+"""JetStream objects Shoal uses: the work stream and one durable pull consumer per model.
+
+(KV buckets belong to `shoal.state`, one module per bucket.)
 
 Every component calls these on start; each creates what is missing and leaves alone what
 exists, so the first component to start (normally `shoal up`) sets the stream's limits.
@@ -6,6 +8,7 @@ exists, so the first component to start (normally `shoal up`) sets the stream's 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import nats.js.errors
@@ -15,24 +18,13 @@ from nats.js.api import (
     ConsumerConfig,
     DeliverPolicy,
     DiscardPolicy,
-    KeyValueConfig,
     RetentionPolicy,
     StorageType,
     StreamConfig,
 )
-from nats.js.kv import KeyValue
 
 from shoal.config import QueueSettings
-from shoal.protocol import (
-    MODELS_BUCKET,
-    PROFILES_BUCKET,
-    WORK_STREAM,
-    WORK_SUBJECT_PREFIX,
-    WORKER_STATUS_TTL_S,
-    WORKERS_BUCKET,
-    consumer_name,
-    work_subject,
-)
+from shoal.protocol import WORK_STREAM, WORK_SUBJECT_PREFIX, consumer_name, work_subject
 
 log = logging.getLogger(__name__)
 
@@ -95,27 +87,7 @@ async def read_backlog(js: JetStreamContext, model: str) -> int | None:
     return int(info.num_pending or 0)
 
 
-async def ensure_models_kv(js: JetStreamContext) -> KeyValue:
-    """Deployments: model name token -> ModelSpec (JSON)."""
-    return await _ensure_kv(js, MODELS_BUCKET)
-
-
-async def ensure_workers_kv(js: JetStreamContext) -> KeyValue:
-    """Worker status reports; a dead worker's report expires on its own."""
-    return await _ensure_kv(js, WORKERS_BUCKET, ttl_s=WORKER_STATUS_TTL_S)
-
-
-async def ensure_profiles_kv(js: JetStreamContext) -> KeyValue:
-    """Batch profiles: (model, runtime, spec, hardware) -> BatchProfile (JSON)."""
-    return await _ensure_kv(js, PROFILES_BUCKET)
-
-
-async def _ensure_kv(js: JetStreamContext, bucket: str, ttl_s: float | None = None) -> KeyValue:
-    try:
-        return await js.key_value(bucket)
-    except nats.js.errors.BucketNotFoundError:
-        pass
-    try:
-        return await js.create_key_value(KeyValueConfig(bucket=bucket, history=1, ttl=ttl_s))
-    except nats.js.errors.BadRequestError:
-        return await js.key_value(bucket)
+async def purge_model_queue(js: JetStreamContext, model: str) -> None:
+    """Drop every request queued for `model` (it was undeployed)."""
+    with contextlib.suppress(nats.js.errors.NotFoundError):
+        await js.purge_stream(WORK_STREAM, subject=work_subject(model))

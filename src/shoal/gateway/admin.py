@@ -13,32 +13,19 @@ API is off unless someone turns it on. Errors come in the OpenAI error shape.
 from __future__ import annotations
 
 import hmac
-from typing import Any
 from urllib.parse import unquote
 
-import msgspec
 from nats.js import JetStreamContext
 
+from shoal.api.admin import AdminList, Deleted, DeployRequest, parse_deploy_request
+from shoal.api.errors import ApiError
 from shoal.catalog import resolve_model
 from shoal.config import QueueSettings
-from shoal.deployments import DeploymentError, deploy, lora_spec, undeploy
-from shoal.errors import ApiError, invalid_body
-from shoal.observability.fleet import model_views
 from shoal.protocol import ModelSpec, encode_json
+from shoal.state.deployments import DeploymentError, deploy, lora_spec, undeploy
+from shoal.state.fleet import model_views
 
 PREFIX = "/admin/models"
-
-
-class DeployRequest(msgspec.Struct, forbid_unknown_fields=True):
-    runtime: str | None = None
-    source: str | None = None
-    task: str | None = None
-    options: dict[str, Any] = msgspec.field(default_factory=dict)
-    base: str | None = None  # with lora: a LoRA adapter directory on this deployment
-    lora: str | None = None
-
-
-_decode_deploy = msgspec.json.Decoder(DeployRequest).decode
 
 
 def check_token(headers: list[tuple[bytes, bytes]], token: str) -> None:
@@ -65,10 +52,10 @@ async def handle_admin(
         if method != "GET":
             raise ApiError(405, f"Method {method} is not allowed on {path}")
         views = await model_views(js)
-        return 200, encode_json({"object": "list", "data": views})
+        return 200, encode_json(AdminList(views))
     name = unquote(path.removeprefix(PREFIX + "/"))
     if method == "PUT":
-        request = _decode(body)
+        request = parse_deploy_request(body)
         try:
             if request.base or request.lora:
                 if not (request.base and request.lora):
@@ -85,15 +72,8 @@ async def handle_admin(
             await undeploy(js, name)
         except DeploymentError as err:
             raise ApiError(404, str(err), param="model", code="model_not_found") from None
-        return 200, encode_json({"id": name, "object": "model", "deleted": True})
+        return 200, encode_json(Deleted(name))
     raise ApiError(405, f"Method {method} is not allowed on {path}")
-
-
-def _decode(body: bytes) -> DeployRequest:
-    try:
-        return _decode_deploy(body or b"{}")
-    except (msgspec.ValidationError, msgspec.DecodeError) as err:
-        raise invalid_body(err) from None
 
 
 def _spec_from(name: str, request: DeployRequest) -> ModelSpec:

@@ -18,15 +18,14 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
-import nats.errors
-import nats.js.errors
 from nats.aio.client import Client
 
+from shoal.api.errors import ApiError
+from shoal.api.models import encode_model_list
 from shoal.broker.connection import connect
-from shoal.broker.jetstream import ensure_models_kv, ensure_work_stream
+from shoal.broker.jetstream import ensure_work_stream
+from shoal.broker.publish import PublishError, QueueFullError, publish_work
 from shoal.config import GatewaySettings
-from shoal.deployments import ModelDirectory
-from shoal.errors import ApiError
 from shoal.gateway.admin import PREFIX as ADMIN_PREFIX
 from shoal.gateway.admin import check_token, handle_admin
 from shoal.gateway.replies import ReplyRouter
@@ -38,11 +37,11 @@ from shoal.protocol import (
     Header,
     Task,
     cancel_subject,
-    encode_json,
     now_ms,
     reply_subject,
     work_subject,
 )
+from shoal.state.deployments import ModelDirectory
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +51,6 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 _JSON = (b"content-type", b"application/json")
 _TEXT = (b"content-type", b"text/plain; version=0.0.4; charset=utf-8")
-_QUEUE_FULL_CODES = {10077, 10047, 10078}  # max msgs per subject / max msgs / max bytes
 _CLIENT_CLOSED = 499  # nginx's status for "client closed request": metrics only
 _ROUTE_OF_TASK = {
     Task.EMBEDDINGS: "/v1/embeddings",
@@ -105,7 +103,7 @@ class Gateway:
                 js = nc.jetstream()
                 await ensure_work_stream(js, self.settings.queue)
                 await self.replies.start(nc)
-                await self.directory.start(await ensure_models_kv(js))
+                await self.directory.start(js)
                 await self.directory.loaded.wait()
             except Exception as err:
                 log.warning("gateway cannot reach NATS at %s yet: %s", self.settings.nats_url, err)
@@ -206,7 +204,7 @@ class Gateway:
             Header.DEADLINE: str(sent + int(self.settings.request_timeout_s * 1000)),
             Header.SENT: str(sent),
             Header.COST: str(estimate_tokens(body)),
-            Header.TASK: endpoint.value,
+            Header.ENDPOINT: endpoint.value,
         }
         if stream:
             headers[Header.STREAM] = "1"
@@ -285,44 +283,23 @@ class Gateway:
                 await nc.publish(cancel_subject(model), request_id.encode())
 
     async def _publish(self, js, subject: str, body: bytes, headers: dict[str, str]) -> None:
-        # A publish whose ack was lost is retried once; Nats-Msg-Id makes the retry a no-op
-        # if the first one was stored.
-        for attempt in range(2):
-            try:
-                await js.publish(subject, body, timeout=2.0, headers=headers)
-                return
-            except nats.js.errors.APIError as err:
-                if err.err_code in _QUEUE_FULL_CODES:
-                    raise ApiError(
-                        429,
-                        "The queue for this model is full; retry later",
-                        code="queue_full",
-                        retry_after=self.settings.retry_after_s,
-                    ) from None
-                raise ApiError(503, f"The queue refused the request: {err}") from None
-            except nats.errors.NoRespondersError:
-                raise ApiError(503, "The work stream does not exist", retry_after=1) from None
-            except (TimeoutError, nats.errors.TimeoutError):
-                if attempt == 1:
-                    raise ApiError(
-                        503, "The queue did not acknowledge in time", retry_after=1
-                    ) from None
-            except nats.errors.ConnectionClosedError:
-                raise ApiError(503, "The queue (NATS) is not reachable", retry_after=1) from None
+        try:
+            await publish_work(js, subject, body, headers)
+        except QueueFullError:
+            raise ApiError(
+                429,
+                "The queue for this model is full; retry later",
+                code="queue_full",
+                retry_after=self.settings.retry_after_s,
+            ) from None
+        except PublishError as err:
+            retry_after = 1 if err.retry else None
+            raise ApiError(
+                503, f"The queue did not take the request: {err}", retry_after=retry_after
+            ) from None
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
-        data = [
-            {
-                "id": spec.name,
-                "object": "model",
-                "created": 0,
-                "owned_by": "shoal",
-                "task": spec.task.value,
-                "runtime": spec.runtime,
-            }
-            for spec in self.directory.all()
-        ]
-        await _respond(send, 200, encode_json({"object": "list", "data": data}))
+        await _respond(send, 200, encode_model_list(self.directory.all()))
 
     async def _admin(self, scope: Scope, receive: Receive, send: Send) -> None:
         check_token(scope["headers"], self.settings.admin_token)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from shoal.errors import ApiError
+from shoal.api.errors import ApiError
 
 
 class RoutingFields(msgspec.Struct):

@@ -22,7 +22,7 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
-from shoal.errors import ApiError
+from shoal.api.errors import ApiError
 from shoal.protocol import Header
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]

@@ -123,3 +123,18 @@ class ScoringRuntime(Protocol):
     def close(self) -> None:
         """Release what the model holds."""
         ...
+
+
+class AdapterHost(Protocol):
+    """A loaded runtime that serves LoRA adapters beside its base weights.
+
+    Which runtimes and tasks do, and in which formats, is in their registry record.
+    """
+
+    def add_adapter(self, name: str, path: str) -> None:
+        """Load an adapter under a name (replacing one of that name); the base stays loaded."""
+        ...
+
+    def remove_adapter(self, name: str) -> None:
+        """Release an adapter; no running sequence or batch may still use it."""
+        ...

@@ -44,7 +44,7 @@ class LlamaCppRuntime:
     """A GGUF model on llama.cpp with batched decoding of up to `max_sequences` sequences.
 
     Options: max_sequences (16), context_length (tokens per sequence, 2048), batch_tokens
-    (tokens decoded per step, shared by new prompts; 512), threads ($SHOAL_THREADS, else
+    (tokens decoded per step, shared by new prompts; 512), threads (the worker's setting, else
     all cores), gpu_layers (0; -1 offloads every layer to a GPU build).
     """
 
@@ -57,11 +57,7 @@ class LlamaCppRuntime:
         self.name = name
         self.max_sequences = int(options.get("max_sequences", 16))
         self.batch_tokens = int(options.get("batch_tokens", 512))
-        threads = (
-            int(options.get("threads") or os.environ.get("SHOAL_THREADS") or 0)
-            or os.cpu_count()
-            or 1
-        )
+        threads = int(options.get("threads") or 0) or os.cpu_count() or 1
         path = resolve_source(source, ".gguf")
         if path.is_dir():
             raise ValueError(f"llamacpp needs a .gguf file, got the directory {path}")
@@ -233,6 +229,15 @@ class LlamaCppRuntime:
             if self._context_adapter == name:
                 self._use_adapter(None)
             lc.llama_adapter_lora_free(old)
+
+    def remove_adapter(self, name: str) -> None:
+        """Free an adapter's tensors; sequences decoding with it must have ended first."""
+        adapter = self._adapters.pop(name, None)
+        if adapter is None:
+            return
+        if self._context_adapter == name:
+            self._use_adapter(None)
+        self._lc.llama_adapter_lora_free(adapter)
 
     def _use_adapter(self, name: str | None) -> None:
         """Set the context's adapter (None: the base) for the next decode."""

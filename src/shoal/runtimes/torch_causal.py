@@ -289,6 +289,12 @@ class TorchCausalRuntime:
         self._peft.eval()
         self._adapters.add(name)
 
+    def remove_adapter(self, name: str) -> None:
+        """Drop an adapter's weights; sequences decoding with it must have ended first."""
+        if self._peft is not None and name in self._adapters:
+            self._peft.delete_adapter(name)
+            self._adapters.discard(name)
+
     def _adapters_for(self, names: list[str | None]):
         """A context in which row i of the next forward pass decodes with adapter names[i]."""
         if self._peft is None:

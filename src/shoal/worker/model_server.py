@@ -25,24 +25,16 @@ from shoal.broker.jetstream import ensure_model_consumer
 from shoal.broker.puller import Puller
 from shoal.config import WorkerSettings
 from shoal.observability.metrics import BusyMeter, WorkerMetrics
-from shoal.protocol import (
-    WORK_STREAM,
-    ModelSpec,
-    Task,
-    WorkerState,
-    WorkerStatus,
-    cancel_subject,
-    encode_json,
-    now_ms,
-    worker_status_key,
-)
-from shoal.runtimes import load_runtime
-from shoal.worker.batching import WorkItem
-from shoal.worker.embedding_scheduler import make_scheduler
-from shoal.worker.generation_scheduler import GenerationScheduler
+from shoal.protocol import WORK_STREAM, ModelSpec, Task, cancel_subject, now_ms
+from shoal.runtimes.base import AdapterHost
+from shoal.runtimes.registry import is_simulated, load_runtime, runtime_record
+from shoal.state.workers import WorkerState, WorkerStatus, put_status
+from shoal.worker.items import WorkItem
 from shoal.worker.outbox import Outbox
 from shoal.worker.profiling import BatchBudget, tuned_budget
-from shoal.worker.scheduler import Scheduler, SchedulerContext
+from shoal.worker.schedulers.base import Scheduler, SchedulerContext
+from shoal.worker.schedulers.batch import BatchScheduler, batch_handler
+from shoal.worker.schedulers.continuous import ContinuousScheduler
 
 log = logging.getLogger(__name__)
 
@@ -78,16 +70,15 @@ class ModelServer:
         self.spec = spec
         self.settings = settings
         self.pinned = pinned
-        self.status_key = worker_status_key(worker_id, spec.name)
         self.state = WorkerState.LOADING
         self.memory_mb = 0.0
         self.loaded_at = time.monotonic()
         self.last_used = time.monotonic()
         self.budget = BatchBudget(settings.max_batch_items or 0, settings.max_batch_tokens)
-        self.metrics = WorkerMetrics(spec.name, spec.runtime, spec.runtime == "sim")
+        self._simulated = is_simulated(spec.runtime)
+        self.metrics = WorkerMetrics(spec.name, spec.runtime, self._simulated)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"shoal-{spec.name}")
         self._busy = BusyMeter()
-        self._simulated = spec.runtime == "sim"
         self._runtime = None
         self._scheduler: Scheduler | None = None
         self._ctx: SchedulerContext | None = None
@@ -108,18 +99,23 @@ class ModelServer:
         loop = asyncio.get_running_loop()
         before = _rss_mb()
         try:
-            runtime = await loop.run_in_executor(self._executor, load_runtime, spec)
+            runtime = await loop.run_in_executor(self._executor, load_runtime, self._load_spec())
         except Exception as err:
             self._executor.shutdown(wait=False)
             raise ModelLoadError(f"cannot load {spec.name} on {spec.runtime}: {err}") from err
         self._runtime = runtime
-        self._simulated = runtime.simulated
         # A simulated model declares its footprint; a real one is measured.
-        declared = spec.options.get("memory_mb") if runtime.simulated else None
+        declared = spec.options.get("memory_mb") if self._simulated else None
         self.memory_mb = float(declared) if declared is not None else max(0.0, _rss_mb() - before)
         if not settings.max_batch_items:
             self.budget = await tuned_budget(
-                js, spec, runtime, self._executor, self.worker_id, settings.max_batch_tokens
+                js,
+                spec,
+                runtime,
+                self._executor,
+                self.worker_id,
+                settings.max_batch_tokens,
+                settings.latency_targets,
             )
         batch_settings = _with_budget(settings, self.budget)
         self._ctx = SchedulerContext(
@@ -177,11 +173,18 @@ class ModelServer:
 
     # -- pulling ---------------------------------------------------------------------------
 
+    def _load_spec(self) -> ModelSpec:
+        """The spec as the runtime loads it: the worker's thread setting unless it names one."""
+        threads = self.settings.runtime_threads
+        if not threads or "threads" in self.spec.options:
+            return self.spec
+        return msgspec.structs.replace(self.spec, options={**self.spec.options, "threads": threads})
+
     def _make_scheduler(self, runtime) -> Scheduler:
         assert self._ctx is not None
         if self.spec.task is Task.GENERATE:
-            return GenerationScheduler(self._ctx, runtime)
-        return make_scheduler(self._ctx, self.spec, runtime)
+            return ContinuousScheduler(self._ctx, runtime)
+        return BatchScheduler(self._ctx, batch_handler(self.spec, runtime), self.spec.task)
 
     def _on_message(self, msg: Msg) -> None:
         assert self._scheduler is not None
@@ -227,12 +230,12 @@ class ModelServer:
         if spec.name in self.adapters:
             await self.detach(spec.name)
         assert self._runtime is not None
-        add_adapter = getattr(self._runtime, "add_adapter", None)
-        if add_adapter is None:
+        if not runtime_record(self.spec.runtime).serves_adapters(self.spec.task):
             raise ModelLoadError(f"{self.spec.runtime} cannot serve the adapter {spec.name}")
+        runtime: AdapterHost = self._runtime
         loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(self._executor, add_adapter, spec.name, spec.adapter)
+            await loop.run_in_executor(self._executor, runtime.add_adapter, spec.name, spec.adapter)
         except Exception as err:
             raise ModelLoadError(f"cannot load the adapter {spec.name}: {err}") from err
         consumer = await ensure_model_consumer(self.nc.jetstream(), spec.name, self.settings.queue)
@@ -251,7 +254,8 @@ class ModelServer:
         log.info("%s: serving the adapter %s", self.spec.name, spec.name)
 
     async def detach(self, name: str) -> None:
-        """Stop pulling for an adapter; what was pulled for it is still answered."""
+        """Stop pulling for an adapter, answer what was pulled for it, then remove it from
+        the runtime (its memory is freed; a redeploy loads it anew)."""
         feed = self.adapters.pop(name, None)
         if feed is None:
             return
@@ -259,43 +263,40 @@ class ModelServer:
         if feed.fill is not None:
             await feed.fill  # ends with its pull request (at most poll_s)
         await feed.puller.stop()
+        while self._scheduler is not None and any(
+            item.adapter == name for item in self._scheduler.held()
+        ):
+            await asyncio.sleep(0.05)
+        if self._runtime is not None:
+            runtime: AdapterHost = self._runtime
+            loop = asyncio.get_running_loop()
+            try:
+                await loop.run_in_executor(self._executor, runtime.remove_adapter, name)
+            except Exception as err:  # the base still serves; the adapter's memory may stay
+                log.warning("%s: removing the adapter %s failed: %s", self.spec.name, name, err)
 
-    def status_keys(self) -> list[str]:
-        return [self.status_key, *(self._adapter_key(name) for name in self.adapters)]
-
-    def _adapter_key(self, name: str) -> str:
-        return worker_status_key(self.worker_id, name)
+    def served_models(self) -> list[str]:
+        """The names this server reports a status under: its model and its adapters."""
+        return [self.spec.name, *self.adapters]
 
     # -- status ----------------------------------------------------------------------------
 
     def status(self, metrics_url: str) -> WorkerStatus:
         busy = self._busy.fraction()
         self.metrics.busy_fraction.set(busy)
-        counters = self._ctx.counters if self._ctx is not None else None
-        slots = getattr(self._scheduler, "slots", 0)
-        status = WorkerStatus(
-            worker_id=self.worker_id,
-            model=self.spec.name,
-            runtime=self.spec.runtime,
-            simulated=self._simulated,
-            pid=os.getpid(),
-            state=self.state,
-            metrics_url=metrics_url,
-            slots=slots,
-            busy_fraction=round(busy, 4),
-            updated_ms=now_ms(),
-            pinned=self.pinned,
-            memory_mb=round(self.memory_mb, 1),
-            max_batch=self.budget.max_batch_items,
-            last_used_ms=now_ms() - int(1000 * (time.monotonic() - self.last_used)),
-        )
-        if counters is not None:
+        status = new_status(self.worker_id, self.spec, self.state, metrics_url, self.pinned)
+        status.slots = getattr(self._scheduler, "slots", 0)
+        status.busy_fraction = round(busy, 4)
+        status.memory_mb = round(self.memory_mb, 1)
+        status.max_batch_items = self.budget.max_batch_items
+        status.last_used_ms = now_ms() - int(1000 * (time.monotonic() - self.last_used))
+        if self._ctx is not None:
+            counters = self._ctx.counters
             status.items_done = counters.items_done
             status.redelivered = counters.redelivered
             status.batches = counters.batches
-            status.max_batch_items = counters.max_batch_items
+            status.largest_batch = counters.largest_batch
             status.running_sequences = counters.running_sequences
-            status.max_running_sequences = counters.max_running_sequences
             status.tokens_generated = counters.tokens_generated
             status.cancelled = counters.cancelled
         return status
@@ -303,15 +304,26 @@ class ModelServer:
     async def report(self, kv: KeyValue, metrics_url: str) -> None:
         """Its status, and one per adapter it serves (they share its counters)."""
         status = self.status(metrics_url)
-        reports = [(self.status_key, status)]
+        await put_status(kv, status)
         for name in list(self.adapters):
-            adapter_status = msgspec.structs.replace(status, model=name)
-            reports.append((self._adapter_key(name), adapter_status))
-        for key, report in reports:
-            try:
-                await kv.put(key, encode_json(report))
-            except Exception as err:
-                log.debug("status report failed: %s", err)
+            await put_status(kv, msgspec.structs.replace(status, model=name))
+
+
+def new_status(
+    worker_id: str, spec: ModelSpec, state: WorkerState, metrics_url: str, pinned: bool
+) -> WorkerStatus:
+    """A worker's status about one deployment, before any counters (also for a failed load)."""
+    return WorkerStatus(
+        worker_id=worker_id,
+        model=spec.name,
+        runtime=spec.runtime,
+        simulated=is_simulated(spec.runtime),
+        pid=os.getpid(),
+        state=state,
+        metrics_url=metrics_url,
+        pinned=pinned,
+        updated_ms=now_ms(),
+    )
 
 
 def _with_budget(settings: WorkerSettings, budget: BatchBudget) -> WorkerSettings:

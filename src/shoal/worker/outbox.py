@@ -3,28 +3,14 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 from nats.aio.client import Client
 
-from shoal.errors import ApiError
 from shoal.observability.metrics import WorkerMetrics
 from shoal.protocol import Header
-from shoal.worker.batching import WorkItem
+from shoal.worker.items import Reply, WorkItem
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class Reply:
-    """What goes back to the gateway for one work item: an HTTP status and a ready body."""
-
-    status: int
-    body: bytes
-
-    @classmethod
-    def from_error(cls, error: ApiError) -> Reply:
-        return cls(error.status, error.body())
 
 
 class Outbox:

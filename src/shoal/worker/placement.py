@@ -13,7 +13,7 @@ decides for itself:
   workers never pass a model back and forth (no thrashing);
 - unload a placed model that has had no work for `idle_unload_s` (scale to zero).
 
-The functions here decide; `worker/sidecar.py` acts.
+The functions here decide; `worker/placer.py` acts.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
 
-from shoal.protocol import ModelSpec, Task
+from shoal.protocol import ModelSpec
+from shoal.runtimes.registry import estimate_memory_mb as registry_estimate
+from shoal.runtimes.registry import is_simulated
 
 GROWTH_SAMPLES = 4  # looks in a row with a growing backlog before a second worker loads
 IDLE_FOR_EVICTION_S = 2.0  # a model with work this recently is never evicted
@@ -111,18 +113,13 @@ def evictions(
 
 
 def estimate_memory_mb(spec: ModelSpec, measured: dict[str, float]) -> float:
-    """What loading a model will take: as measured last time, else from its weights' size.
-
-    A simulated model declares its footprint (`memory_mb`, default 0). A torch generative
-    model from a GGUF file is dequantized to float32, about 4.5 times its Q4 file.
-    """
+    """What loading a model will take: as measured last time, else from its weights' size
+    and its runtime's factor (runtimes/registry.py)."""
     if spec.name in measured:
         return measured[spec.name]
-    if spec.runtime == "sim":
-        return float(spec.options.get("memory_mb", 0.0))
-    size_mb = _source_size_mb(spec.source)
-    factor = 4.5 if spec.runtime == "torch" and spec.task is Task.GENERATE else 1.5
-    return size_mb * factor
+    if is_simulated(spec.runtime):
+        return registry_estimate(spec, 0.0)
+    return registry_estimate(spec, _source_size_mb(spec.source))
 
 
 def _source_size_mb(source: str) -> float:

@@ -16,7 +16,6 @@ The token budget is not profiled: it bounds memory on long texts and stays as co
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import platform
@@ -25,27 +24,23 @@ import time
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
-import nats.js.errors
 from nats.js import JetStreamContext
-from nats.js.kv import KeyValue
 
-from shoal.broker.jetstream import ensure_profiles_kv
-from shoal.config import env_default
-from shoal.protocol import (
-    BatchProfile,
-    ModelSpec,
-    Task,
-    decode_batch_profile,
-    encode_json,
-    name_token,
-    now_ms,
-)
-from shoal.runtimes import run_texts
+from shoal.config import LatencyTargets
+from shoal.protocol import ModelSpec, Task, now_ms
 from shoal.runtimes.base import (
     EmbeddingRuntime,
     GenerationRuntime,
     SamplingParams,
     ScoringRuntime,
+)
+from shoal.state.profiles import (
+    BatchProfile,
+    claim_profile,
+    ensure_profiles_kv,
+    profile_key,
+    read_profile,
+    store_profile,
 )
 
 log = logging.getLogger(__name__)
@@ -66,6 +61,22 @@ class BatchBudget:
     max_batch_tokens: int
 
 
+def is_scoring(runtime: object) -> bool:
+    """Whether a loaded runtime is a cross-encoder (`ScoringRuntime`) rather than an embedder."""
+    return callable(getattr(runtime, "score", None)) and not hasattr(runtime, "embed")
+
+
+def run_texts(runtime: EmbeddingRuntime | ScoringRuntime, texts: list[str]) -> None:
+    """Run one batch of len(texts) items, whatever the runtime's interface.
+
+    A cross-encoder scores each text against itself: a pair as long as a typical request's.
+    """
+    if is_scoring(runtime):
+        runtime.score([(text, text) for text in texts])  # type: ignore[union-attr]
+    else:
+        runtime.embed(texts)  # type: ignore[union-attr]
+
+
 def hardware_fingerprint() -> str:
     """The kind of machine a profile holds for: CPU model and cores, and GPU when in use."""
     cpu = platform.processor() or platform.machine()
@@ -82,12 +93,6 @@ def hardware_fingerprint() -> str:
     if torch is not None and torch.cuda.is_available():
         parts.append(torch.cuda.get_device_name(0))
     return ", ".join(parts)
-
-
-def profile_key(spec: ModelSpec, hardware: str) -> str:
-    identity = encode_json([spec.source, spec.options, hardware])
-    digest = hashlib.sha256(identity).hexdigest()[:16]
-    return f"{name_token(spec.name)}.{name_token(spec.runtime)}.{digest}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +192,7 @@ async def tuned_budget(
     executor: Executor,
     worker_id: str,
     max_batch_tokens: int,
+    targets: LatencyTargets,
 ) -> BatchBudget:
     """The model's batch budget from its stored profile, profiling first if there is none."""
     kv = await ensure_profiles_kv(js)
@@ -194,16 +200,16 @@ async def tuned_budget(
     key = profile_key(spec, hardware)
     deadline = time.monotonic() + WAIT_FOR_OTHER_S
     while True:
-        stored = await _read(kv, key)
+        stored = await read_profile(kv, key)
         if stored is not None:
             return BatchBudget(stored.max_batch_items, max_batch_tokens)
-        if await _claim(kv, key) or time.monotonic() > deadline:
+        if await claim_profile(kv, key) or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.5)  # another worker is profiling this model: wait for it
     if spec.task is Task.GENERATE:
-        measure, target = profile_sequences, env_default("TOKEN_LATENCY_TARGET", 0.25)
+        measure, target = profile_sequences, targets.token_s
     else:
-        measure, target = profile_batches, env_default("BATCH_LATENCY_TARGET", 1.0)
+        measure, target = profile_batches, targets.batch_s
     loop = asyncio.get_running_loop()
     measured = await loop.run_in_executor(executor, measure, runtime, target)
     profile = BatchProfile(
@@ -217,40 +223,6 @@ async def tuned_budget(
         profiled_by=worker_id,
         profiled_ms=now_ms(),
     )
-    await kv.put(key, encode_json(profile))
+    await store_profile(kv, key, profile)
     log.info("%s: profiled, batch budget %d items", spec.name, profile.max_batch_items)
     return BatchBudget(profile.max_batch_items, max_batch_tokens)
-
-
-async def read_profiles(js: JetStreamContext) -> list[BatchProfile]:
-    """Every stored profile (for `shoal models`)."""
-    kv = await ensure_profiles_kv(js)
-    try:
-        keys = await kv.keys()
-    except nats.js.errors.NoKeysError:
-        return []
-    profiles = []
-    for key in keys:
-        profile = await _read(kv, key)
-        if profile is not None:
-            profiles.append(profile)
-    return profiles
-
-
-async def _read(kv: KeyValue, key: str) -> BatchProfile | None:
-    try:
-        entry = await kv.get(key)
-    except nats.js.errors.KeyNotFoundError:
-        return None
-    if not entry.value:  # claimed, not yet written
-        return None
-    return decode_batch_profile(entry.value)
-
-
-async def _claim(kv: KeyValue, key: str) -> bool:
-    """True when this worker is the one to profile (it created the key)."""
-    try:
-        await kv.create(key, b"")
-    except nats.js.errors.KeyWrongLastSequenceError:
-        return False
-    return True

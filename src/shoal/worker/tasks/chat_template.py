@@ -18,14 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shoal.api.generation import ChatTurn
+
 DEFAULT_TEMPLATE_STOP = "\nUser:"
 _SPEAKER = {"user": "User", "assistant": "Assistant"}
-
-
-@dataclass(frozen=True, slots=True)
-class ChatTurn:
-    role: str  # system, developer, user or assistant
-    content: str
 
 
 @dataclass(frozen=True, slots=True)

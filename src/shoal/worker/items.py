@@ -1,13 +1,21 @@
-"""Work items as the worker sees them, and forming a batch from what it has pulled."""
+"""Work items as the worker sees them, what goes back for each, and forming a batch.
+
+No NATS here: a work item holds its message (anything with `headers`, `data`, `metadata`,
+`ack` and `in_progress`, a nats.py `Msg` in practice) but the tasks and schedulers that
+import this module never touch the connection.
+"""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from nats.aio.msg import Msg
-
+from shoal.api.errors import ApiError
 from shoal.protocol import Endpoint, Header
+
+if TYPE_CHECKING:
+    from nats.aio.msg import Msg
 
 
 @dataclass(slots=True)
@@ -35,7 +43,7 @@ class WorkItem:
             deadline_ms=int(headers.get(Header.DEADLINE) or 0),
             sent_ms=int(headers.get(Header.SENT) or 0),
             cost=max(1, int(headers.get(Header.COST) or 1)),
-            endpoint=_endpoint(headers.get(Header.TASK)),
+            endpoint=_endpoint(headers.get(Header.ENDPOINT)),
             stream=headers.get(Header.STREAM) == "1",
             deliveries=msg.metadata.num_delivered or 1,
         )
@@ -53,6 +61,27 @@ def _endpoint(value: str | None) -> Endpoint | None:
         return Endpoint(value or Endpoint.EMBEDDINGS)
     except ValueError:
         return None
+
+
+@dataclass(slots=True)
+class Reply:
+    """What goes back to the gateway for one work item: an HTTP status and a ready body."""
+
+    status: int
+    body: bytes
+
+    @classmethod
+    def from_error(cls, error: ApiError) -> Reply:
+        return cls(error.status, error.body())
+
+
+@dataclass(slots=True)
+class BatchOutcome:
+    """A batch handler's answer: one reply per body, in order, and what the runtime did."""
+
+    replies: list[Reply]
+    runtime_seconds: float
+    texts: int  # texts (or pairs) the runtime ran
 
 
 def take_batch(pending: deque[WorkItem], max_items: int, max_tokens: int) -> list[WorkItem]:

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 from typing import Protocol
 
-from shoal.protocol import Endpoint, ModelSpec, Task, now_ms
-from shoal.worker.batching import WorkItem, take_batch
-from shoal.worker.cross_encoder import RerankHandler
-from shoal.worker.embeddings import BatchOutcome, EmbeddingsHandler
-from shoal.worker.scheduler import SchedulerContext, reject_if_unservable
+from shoal.protocol import Endpoint, ModelSpec, Task
+from shoal.worker.items import BatchOutcome, WorkItem, take_batch
+from shoal.worker.schedulers.base import SchedulerBase, SchedulerContext
+from shoal.worker.tasks.cross_encode import RerankHandler
+from shoal.worker.tasks.embed import EmbeddingsHandler
 
 log = logging.getLogger(__name__)
 
@@ -33,32 +32,20 @@ class BatchHandler(Protocol):
     ) -> BatchOutcome: ...
 
 
-def make_scheduler(ctx: SchedulerContext, spec: ModelSpec, runtime) -> EmbeddingScheduler:
-    """The scheduler for a deployment that is not generative: embeddings or rerank."""
+def batch_handler(spec: ModelSpec, runtime) -> BatchHandler:
+    """The handler for a deployment that is not generative: embeddings or rerank."""
     if spec.task is Task.RERANK:
-        return EmbeddingScheduler(ctx, RerankHandler(runtime, spec.name), Task.RERANK)
-    return EmbeddingScheduler(ctx, EmbeddingsHandler(runtime, spec.name), spec.task)
+        return RerankHandler(runtime, spec.name)
+    return EmbeddingsHandler(runtime, spec.name)
 
 
-class EmbeddingScheduler:
-    """Runs pulled embeddings and rerank requests batch by batch (implements `Scheduler`).
-
-    `task` is the deployment's: it decides which endpoints run here (`make_scheduler` picks
-    the handler for it).
-    """
+class BatchScheduler(SchedulerBase):
+    """Runs pulled embeddings and rerank requests batch by batch (implements `Scheduler`)."""
 
     def __init__(self, ctx: SchedulerContext, handler: BatchHandler, task: Task) -> None:
-        self._ctx = ctx
+        super().__init__(ctx, task)
         self._handler = handler
-        self._task = task
-        self._pending: deque[WorkItem] = deque()
         self._running: list[WorkItem] = []
-        self._arrived = asyncio.Event()
-        self._accepting = True
-
-    def accept(self, item: WorkItem) -> None:
-        self._pending.append(item)
-        self._arrived.set()
 
     def room(self) -> int:
         return self._ctx.settings.max_batch_items - len(self._pending)
@@ -70,19 +57,9 @@ class EmbeddingScheduler:
         # An embedding batch is short; cancelling one item in it would save nothing.
         pass
 
-    def stop_accepting(self) -> None:
-        self._accepting = False
-        self._arrived.set()
-
     async def run(self) -> None:
         settings = self._ctx.settings
-        while True:
-            if not self._pending:
-                if not self._accepting:
-                    return
-                self._arrived.clear()
-                await self._arrived.wait()
-                continue
+        while await self._wait_for_work():
             batch = take_batch(self._pending, settings.max_batch_items, settings.max_batch_tokens)
             self._ctx.room_changed.set()
             try:
@@ -93,12 +70,11 @@ class EmbeddingScheduler:
 
     async def _run_batch(self, batch: list[WorkItem]) -> None:
         ctx = self._ctx
-        live = [item for item in batch if not await reject_if_unservable(ctx, item, self._task)]
+        live = [item for item in batch if not await self._reject_if_unservable(item)]
         if not live:
             return
-        now = now_ms()
         for item in live:
-            ctx.metrics.queue_wait.observe(max(0, now - item.sent_ms) / 1000)
+            self._observe_queue_wait(item)
         self._running = live
         ctx.busy.start()
         try:
@@ -111,14 +87,11 @@ class EmbeddingScheduler:
             )
         finally:
             busy_s = ctx.busy.stop()
-        ctx.metrics.busy_seconds.inc(busy_s)
-        ctx.metrics.batch_seconds.observe(busy_s)
-        ctx.metrics.batch_items.observe(len(live))
-        ctx.counters.batches += 1
-        ctx.counters.max_batch_items = max(ctx.counters.max_batch_items, len(live))
+        self._account_batch(busy_s, len(live))
+        # Every result first, then every ack: a worker that dies between the two leaves its
+        # items to be redelivered, and the gateway drops the duplicate results.
         for item, reply in zip(live, outcome.replies, strict=True):
             await ctx.outbox.reply(item, reply)
         for item in live:
-            await ctx.outbox.ack(item)
-            ctx.counters.finished(item)
+            await self._ack(item)
         self._running = []

@@ -13,24 +13,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
-from shoal.errors import ApiError
-from shoal.protocol import Endpoint, Task, now_ms
-from shoal.runtimes.base import GenerationRuntime
-from shoal.worker.batching import WorkItem
-from shoal.worker.chat_template import render_chat
-from shoal.worker.generation import (
+from shoal.api.errors import ApiError
+from shoal.api.generation import (
     FinishReason,
     GenerationJob,
     ResponseEncoder,
-    TextAssembler,
     Usage,
     parse_generation_request,
 )
-from shoal.worker.outbox import Reply
-from shoal.worker.scheduler import SchedulerContext, reject_if_unservable
+from shoal.protocol import Endpoint, Task, now_ms
+from shoal.runtimes.base import GenerationRuntime
+from shoal.worker.items import Reply, WorkItem
+from shoal.worker.schedulers.base import SchedulerBase, SchedulerContext
+from shoal.worker.tasks.chat_template import render_chat
+from shoal.worker.tasks.text import TextAssembler
 
 log = logging.getLogger(__name__)
 
@@ -75,13 +73,12 @@ class Sequence:
         return Usage(self.prompt_tokens, self.completion_tokens, total)
 
 
-class GenerationScheduler:
+class ContinuousScheduler(SchedulerBase):
     """Runs pulled completions and chat requests with continuous batching (a `Scheduler`)."""
 
     def __init__(self, ctx: SchedulerContext, runtime: GenerationRuntime) -> None:
-        self._ctx = ctx
+        super().__init__(ctx, Task.GENERATE)
         self._runtime = runtime
-        self._pending: deque[WorkItem] = deque()
         self._active: dict[int, Sequence] = {}  # by slot
         # The batch budget (profiled, or --max-batch-items) caps the sequences decoded at once.
         budget = ctx.settings.max_batch_items
@@ -89,8 +86,6 @@ class GenerationScheduler:
         self._free_slots = list(range(self._slots - 1, -1, -1))
         self._to_remove: list[int] = []  # slots whose sequences ended, freed at the next step
         self._cancelled: dict[str, float] = {}  # request id -> when the cancel arrived
-        self._arrived = asyncio.Event()
-        self._accepting = True
 
     @property
     def slots(self) -> int:
@@ -98,10 +93,6 @@ class GenerationScheduler:
         return self._slots
 
     # -- Scheduler interface ------------------------------------------------------------
-
-    def accept(self, item: WorkItem) -> None:
-        self._pending.append(item)
-        self._arrived.set()
 
     def room(self) -> int:
         return len(self._free_slots) - len(self._pending)
@@ -123,21 +114,14 @@ class GenerationScheduler:
                 rid: t for rid, t in self._cancelled.items() if now - t < CANCELLED_MEMORY_S
             }
 
-    def stop_accepting(self) -> None:
-        self._accepting = False
-        self._arrived.set()
-
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             await self._end_cancelled_and_expired()
             admissions = await self._admit()
             if not self._active and not admissions:
-                if not self._accepting and not self._pending:
+                if not await self._wait_for_work():
                     return
-                if not self._pending:
-                    self._arrived.clear()
-                    await self._arrived.wait()
                 continue
             removals, self._to_remove = self._to_remove, []
             self._ctx.busy.start()
@@ -154,7 +138,7 @@ class GenerationScheduler:
                 continue
             busy_s = self._ctx.busy.stop()
             await self._start_admitted(admissions)
-            self._account_step(busy_s)
+            self._account_batch(busy_s, len(self._active))
             await self._advance(tokens)
 
     # -- between steps --------------------------------------------------------------------
@@ -167,15 +151,15 @@ class GenerationScheduler:
             if self._cancelled.pop(item.request_id, None) is not None:
                 await self._drop_cancelled(item)
                 continue
-            if await reject_if_unservable(self._ctx, item, Task.GENERATE):
+            if await self._reject_if_unservable(item):
                 continue
             try:
                 job = parse_generation_request(item.endpoint or Endpoint.COMPLETIONS, item.body)
             except ApiError as err:
-                await self._answer_once(item, Reply.from_error(err))
+                await self._answer(item, Reply.from_error(err))
                 continue
             admissions.append(Admission(item, job, self._free_slots.pop()))
-            self._ctx.metrics.queue_wait.observe(max(0, now_ms() - item.sent_ms) / 1000)
+            self._observe_queue_wait(item)
         return admissions
 
     async def _start_admitted(self, admissions: list[Admission]) -> None:
@@ -183,7 +167,7 @@ class GenerationScheduler:
             item, job = admission.item, admission.job
             if admission.error is not None:
                 self._free_slots.append(admission.slot)
-                await self._answer_once(item, Reply.from_error(admission.error))
+                await self._answer(item, Reply.from_error(admission.error))
                 continue
             sequence = Sequence(
                 item=item,
@@ -244,9 +228,7 @@ class GenerationScheduler:
         now = now_ms()
         for sequence in list(self._active.values()):
             if sequence.cancelled:
-                self._ctx.counters.cancelled += 1
-                self._ctx.metrics.count_item(499)  # nginx's "client closed request"
-                await self._release(sequence)
+                await self._release(sequence, cancelled=True)
             elif sequence.item.expired(now):
                 error = ApiError(504, "The request's deadline passed during generation")
                 await self._end_with_error(sequence, error)
@@ -260,31 +242,22 @@ class GenerationScheduler:
             await self._ctx.outbox.reply(sequence.item, Reply.from_error(error))
         await self._release(sequence)
 
-    async def _release(self, sequence: Sequence) -> None:
+    async def _release(self, sequence: Sequence, *, cancelled: bool = False) -> None:
         del self._active[sequence.slot]
         self._to_remove.append(sequence.slot)
         self._free_slots.append(sequence.slot)
-        await self._ctx.outbox.ack(sequence.item)
-        self._ctx.counters.finished(sequence.item)
+        if cancelled:
+            await self._drop_cancelled(sequence.item)
+        else:
+            await self._ack(sequence.item)
         self._report_running()
         self._ctx.room_changed.set()
-
-    async def _answer_once(self, item: WorkItem, reply: Reply) -> None:
-        await self._ctx.outbox.reply(item, reply)
-        await self._ctx.outbox.ack(item)
-        self._ctx.counters.finished(item)
-
-    async def _drop_cancelled(self, item: WorkItem) -> None:
-        self._ctx.counters.cancelled += 1
-        self._ctx.metrics.count_item(499)
-        await self._ctx.outbox.ack(item)
-        self._ctx.counters.finished(item)
 
     async def _fail_all(self, admissions: list[Admission]) -> None:
         error = ApiError(500, "The runtime failed during generation")
         for admission in admissions:
             self._free_slots.append(admission.slot)
-            await self._answer_once(admission.item, Reply.from_error(error))
+            await self._answer(admission.item, Reply.from_error(error))
         for sequence in list(self._active.values()):
             await self._end_with_error(sequence, error)
 
@@ -295,16 +268,6 @@ class GenerationScheduler:
     def _report_running(self) -> None:
         counters = self._ctx.counters
         counters.running_sequences = len(self._active)
-
-    def _account_step(self, busy_s: float) -> None:
-        ctx = self._ctx
-        running = len(self._active)
-        ctx.metrics.busy_seconds.inc(busy_s)
-        ctx.metrics.batch_seconds.observe(busy_s)
-        ctx.counters.batches += 1
-        ctx.metrics.batch_items.observe(running)
-        ctx.counters.max_batch_items = max(ctx.counters.max_batch_items, running)
-        ctx.counters.max_running_sequences = ctx.counters.max_batch_items
 
     # -- in the engine thread ----------------------------------------------------------------
 

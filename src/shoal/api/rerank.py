@@ -1,4 +1,4 @@
-"""The rerank endpoint: decode and validate requests, rank documents, encode the response.
+"""Rerank: the request and response shapes, their parse, and ranking into the response.
 
 Request and response follow the common rerank APIs (Cohere v2, Jina, TEI-style):
 
@@ -7,9 +7,9 @@ Request and response follow the common rerank APIs (Cohere v2, Jina, TEI-style):
      "usage": {"total_tokens"}}
 
 Results are sorted by score, highest first (ties: lower index first). Two kinds of model
-answer it: a cross-encoder scores each (query, document) pair (worker/cross_encoder.py, one
-runtime `score` call per batch), and an embedding model scores by the cosine of the query's
-and each document's vectors (worker/embeddings.py, one `embed` call per batch).
+answer it: a cross-encoder scores each (query, document) pair (worker/tasks/cross_encode.py,
+one runtime `score` call per batch), and an embedding model scores by the cosine of the
+query's and each document's vectors (worker/tasks/embed.py, one `embed` call per batch).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Annotated, Any
 import msgspec
 import numpy as np
 
-from shoal.errors import ApiError, invalid_body
+from shoal.api.errors import ApiError, invalid_body
 from shoal.protocol import encode_json
 
 # Cohere's documented recommendation; a larger list is better split by the client, so that
@@ -102,17 +102,6 @@ def _document_text(i: int, document: Any) -> str:
         400,
         f"'documents[{i}]' must be a string or an object {{\"text\": string}}",
         param="documents",
-    )
-
-
-def cosine_scores(query: np.ndarray, documents: np.ndarray) -> np.ndarray:
-    """Cosine similarity of one query vector with each document vector (row)."""
-    query = query.astype(np.float32, copy=False)
-    documents = documents.astype(np.float32, copy=False)
-    norms = np.linalg.norm(documents, axis=1) * np.linalg.norm(query)
-    # A zero vector has no direction: its similarity is 0, not NaN.
-    return np.divide(
-        documents @ query, norms, out=np.zeros(len(documents), np.float32), where=norms > 0
     )
 
 

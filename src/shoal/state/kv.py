@@ -1,0 +1,50 @@
+"""What every bucket module shares: making a bucket, and reading all of its values."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import TypeVar
+
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig
+from nats.js.kv import KeyValue
+
+T = TypeVar("T")
+
+
+async def ensure_bucket(js: JetStreamContext, bucket: str, ttl_s: float | None = None) -> KeyValue:
+    """The bucket, created if it is missing (whoever creates it first sets its TTL)."""
+    try:
+        return await js.key_value(bucket)
+    except nats.js.errors.BucketNotFoundError:
+        pass
+    try:
+        return await js.create_key_value(KeyValueConfig(bucket=bucket, history=1, ttl=ttl_s))
+    except nats.js.errors.BadRequestError:  # another component created it meanwhile
+        return await js.key_value(bucket)
+
+
+async def read_value(kv: KeyValue, key: str, decode: Callable[[bytes], T]) -> T | None:
+    """The decoded value of a key; None when it is missing or empty (a claim, a delete)."""
+    try:
+        entry = await kv.get(key)
+    except nats.js.errors.KeyNotFoundError:
+        return None
+    return decode(entry.value) if entry.value else None
+
+
+async def read_all(kv: KeyValue, decode: Callable[[bytes], T]) -> list[T]:
+    """Every non-empty value in the bucket, decoded (keys removed meanwhile are skipped)."""
+    try:
+        keys = await kv.keys()
+    except nats.js.errors.NoKeysError:
+        return []
+    values = []
+    for key in keys:
+        with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+            value = await read_value(kv, key, decode)
+            if value is not None:
+                values.append(value)
+    return values

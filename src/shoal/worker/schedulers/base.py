@@ -1,0 +1,155 @@
+"""What every scheduler shares: the sidecar's parts it uses, and the skeleton both build on.
+
+A scheduler turns pulled work items into runtime calls and answers them. `BatchScheduler`
+(embeddings and rerank, worker/schedulers/batch.py) runs whole batches; `ContinuousScheduler`
+(generation, worker/schedulers/continuous.py) keeps decode slots full. Both inherit accepting
+pulled items, stopping, answering (reply, then ack), rejecting what cannot run here and the
+per-batch accounting from `SchedulerBase`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from shoal.api.errors import ApiError
+from shoal.config import WorkerSettings
+from shoal.observability.metrics import BusyMeter, WorkerMetrics
+from shoal.protocol import Task, now_ms
+from shoal.worker.items import Reply, WorkItem
+from shoal.worker.outbox import Outbox
+
+_CLIENT_CLOSED = 499  # nginx's "client closed request": metrics only
+
+
+@dataclass(slots=True)
+class WorkerCounters:
+    """Totals the worker reports in its status."""
+
+    items_done: int = 0
+    redelivered: int = 0
+    batches: int = 0  # embedding batches, or decode steps
+    largest_batch: int = 0  # the most items (or sequences) seen in one batch (or step)
+    running_sequences: int = 0
+    tokens_generated: int = 0
+    cancelled: int = 0
+
+    def finished(self, item: WorkItem) -> None:
+        self.items_done += 1
+        if item.deliveries > 1:
+            self.redelivered += 1
+
+
+@dataclass
+class SchedulerContext:
+    """The sidecar's parts a scheduler uses. `room_changed` wakes the fill loop."""
+
+    settings: WorkerSettings
+    outbox: Outbox
+    executor: ThreadPoolExecutor
+    metrics: WorkerMetrics
+    busy: BusyMeter
+    counters: WorkerCounters = field(default_factory=WorkerCounters)
+    room_changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Scheduler(Protocol):
+    """Turns pulled work items into runtime calls and answers them."""
+
+    def accept(self, item: WorkItem) -> None:
+        """A message was pulled for this worker."""
+        ...
+
+    def room(self) -> int:
+        """How many more items to pull now: never more than can start soon."""
+        ...
+
+    def held(self) -> list[WorkItem]:
+        """Every item pulled and not yet acked (for in-progress acks)."""
+        ...
+
+    def cancel(self, request_id: str) -> None:
+        """The client went away: stop work on that request if held, or skip it later."""
+        ...
+
+    def stop_accepting(self) -> None:
+        """No more items will arrive: `run` returns once everything held is answered."""
+        ...
+
+    async def run(self) -> None: ...
+
+
+class SchedulerBase:
+    """The skeleton of a scheduler: pending items, accepting, answering, accounting.
+
+    `task` is the deployment's; it decides which endpoints run here (`Endpoint.served_by`).
+    """
+
+    def __init__(self, ctx: SchedulerContext, task: Task) -> None:
+        self._ctx = ctx
+        self._task = task
+        self._pending: deque[WorkItem] = deque()
+        self._arrived = asyncio.Event()
+        self._accepting = True
+
+    def accept(self, item: WorkItem) -> None:
+        self._pending.append(item)
+        self._arrived.set()
+
+    def stop_accepting(self) -> None:
+        self._accepting = False
+        self._arrived.set()
+
+    async def _wait_for_work(self) -> bool:
+        """Wait until something is pending; False once nothing is and nothing more will be."""
+        while not self._pending:
+            if not self._accepting:
+                return False
+            self._arrived.clear()
+            await self._arrived.wait()
+        return True
+
+    async def _answer(self, item: WorkItem, reply: Reply) -> None:
+        """The item's one answer, then its ack (never the other way round: invariant 4)."""
+        await self._ctx.outbox.reply(item, reply)
+        await self._ack(item)
+
+    async def _ack(self, item: WorkItem) -> None:
+        await self._ctx.outbox.ack(item)
+        self._ctx.counters.finished(item)
+
+    async def _drop_cancelled(self, item: WorkItem) -> None:
+        """Its client went away: no answer is read, so the item is only acked."""
+        self._ctx.counters.cancelled += 1
+        self._ctx.metrics.count_item(_CLIENT_CLOSED)
+        await self._ack(item)
+
+    async def _reject_if_unservable(self, item: WorkItem) -> bool:
+        """Answer and ack an item that cannot run here (expired, wrong endpoint): True if so."""
+        error = None
+        if item.endpoint is None or not item.endpoint.served_by(self._task):
+            endpoint = item.endpoint.value if item.endpoint else "unknown"
+            error = ApiError(
+                400, f"This model serves {self._task.value}, not {endpoint}", param="model"
+            )
+        elif item.expired(now_ms()):
+            error = ApiError(504, "The request's deadline passed before it was run", code="timeout")
+        if error is None:
+            return False
+        await self._answer(item, Reply.from_error(error))
+        return True
+
+    def _observe_queue_wait(self, item: WorkItem) -> None:
+        self._ctx.metrics.queue_wait.observe(max(0, now_ms() - item.sent_ms) / 1000)
+
+    def _account_batch(self, busy_s: float, size: int) -> None:
+        """One batch (or decode step) of `size` items took `busy_s` of runtime."""
+        ctx = self._ctx
+        ctx.metrics.busy_seconds.inc(busy_s)
+        ctx.metrics.batch_seconds.observe(busy_s)
+        ctx.metrics.batch_items.observe(size)
+        ctx.counters.batches += 1
+        ctx.counters.largest_batch = max(ctx.counters.largest_batch, size)
