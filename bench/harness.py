@@ -18,12 +18,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
+
+from bench.loadgen import SMALL_TEXT, LoadResult, quantile
 
 RESULTS_DIR = Path(__file__).parent / "results"
 
-SENTENCE = "Sentence number {i} about pulling work from a shared queue."
+SENTENCE = SMALL_TEXT  # the one short sentence every benchmark sends
 
 
 def free_port() -> int:
@@ -108,20 +110,6 @@ class UpCluster:
         return totals
 
 
-@dataclass
-class LoadResult:
-    client: str
-    connections: int
-    seconds: float
-    requests: int
-    errors: int
-    rps: float
-    p50_ms: float
-    p99_ms: float
-    client_cpu_s: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
-
-
 _WRK_SCRIPT = """
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
@@ -166,19 +154,35 @@ def run_wrk(
     started = _self_children_cpu()
     output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     os.unlink(handle.name)
+    requests = int(re.search(r"(\d+) requests in", output).group(1))
+    errors = _wrk_errors(output)
+    client_cpu_s = _self_children_cpu() - started
     return LoadResult(
         client="wrk",
+        mode="closed",
+        sizes="small",
+        offered_rps=0.0,
         connections=connections,
         seconds=seconds,
-        requests=int(re.search(r"(\d+) requests in", output).group(1)),
-        errors=int(m.group(1))
-        if (m := re.search(r"Non-2xx or 3xx responses: (\d+)", output))
-        else 0,
+        sent=requests,
+        answered=requests,
+        ok=requests - errors,
+        statuses={},
         rps=float(re.search(r"Requests/sec:\s+([\d.]+)", output).group(1)),
         p50_ms=_wrk_ms(re.search(r"\s50%\s+([\d.]+\w+)", output).group(1)),
+        p90_ms=_wrk_ms(re.search(r"\s90%\s+([\d.]+\w+)", output).group(1)),
         p99_ms=_wrk_ms(re.search(r"\s99%\s+([\d.]+\w+)", output).group(1)),
-        client_cpu_s=_self_children_cpu() - started,
+        max_ms=_wrk_ms(_wrk_latency(output)[2]),
+        mean_ms=_wrk_ms(_wrk_latency(output)[0]),
+        client_cpu_s=client_cpu_s,
+        client_cores=client_cpu_s / seconds,
     )
+
+
+def _wrk_latency(output: str) -> tuple[str, str, str]:
+    """wrk's "Latency avg stdev max" line."""
+    match = re.search(r"Latency\s+([\d.]+\w+)\s+([\d.]+\w+)\s+([\d.]+\w+)", output)
+    return match.groups() if match else ("0ms", "0ms", "0ms")
 
 
 def _metric(text: str, name: str) -> float:
@@ -224,16 +228,26 @@ def run_python_load(url: str, model: str, connections: int, seconds: float) -> L
     cpu_before = time.process_time()
     elapsed = asyncio.run(run())
     latencies.sort()
+    cpu = time.process_time() - cpu_before
     return LoadResult(
         client="python-httpx",
+        mode="closed",
+        sizes="small",
+        offered_rps=0.0,
         connections=connections,
         seconds=elapsed,
-        requests=len(latencies),
-        errors=errors,
+        sent=len(latencies),
+        answered=len(latencies),
+        ok=len(latencies) - errors,
+        statuses={},
         rps=len(latencies) / elapsed,
-        p50_ms=1000 * latencies[len(latencies) // 2],
-        p99_ms=1000 * latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))],
-        client_cpu_s=time.process_time() - cpu_before,
+        p50_ms=1000 * quantile(latencies, 0.50),
+        p90_ms=1000 * quantile(latencies, 0.90),
+        p99_ms=1000 * quantile(latencies, 0.99),
+        max_ms=1000 * (latencies[-1] if latencies else 0.0),
+        mean_ms=1000 * (sum(latencies) / len(latencies) if latencies else 0.0),
+        client_cpu_s=cpu,
+        client_cores=cpu / elapsed if elapsed > 0 else 0.0,
     )
 
 
@@ -274,6 +288,8 @@ def write_result(name: str, payload: dict) -> Path:
 
 
 def _jsonable(value: object) -> object:
+    if isinstance(value, LoadResult):
+        return value.summary()
     if hasattr(value, "__dataclass_fields__"):
         return asdict(value)  # type: ignore[arg-type]
     raise TypeError(f"cannot write {type(value).__name__} as JSON")

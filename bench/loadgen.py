@@ -77,9 +77,12 @@ class LoadSpec:
 
 @dataclass
 class LoadResult:
-    """Summary of one run; `samples` holds (latency_s, status) of every request."""
+    """Summary of one load run, whichever client made it (this module, wrk, or httpx).
 
-    mode: str
+    `samples` holds (latency_s, status) of every request where the client records them.
+    """
+
+    mode: str  # "open" or "closed"
     sizes: str
     offered_rps: float  # open loop: the target rate; closed loop: 0
     connections: int
@@ -88,7 +91,7 @@ class LoadResult:
     answered: int
     ok: int
     statuses: dict[str, int]
-    rps: float  # 200s answered per second of the measured window
+    rps: float  # answers per second of the measured window (200s where statuses are known)
     p50_ms: float
     p90_ms: float
     p99_ms: float
@@ -96,11 +99,24 @@ class LoadResult:
     mean_ms: float
     client_cpu_s: float
     client_cores: float
+    client: str = "loadgen"
+    extra: dict[str, float] = field(default_factory=dict)
     samples: list[tuple[float, int]] = field(default_factory=list, repr=False)
 
+    @property
+    def requests(self) -> int:
+        """Requests answered."""
+        return self.answered
+
+    @property
+    def errors(self) -> int:
+        """Requests sent that did not get a 200."""
+        return self.sent - self.ok
+
     def summary(self) -> dict:
-        """Everything but the per-request samples."""
-        return {k: v for k, v in asdict(self).items() if k != "samples"}
+        """Everything but the per-request samples, with `requests` and `errors`."""
+        fields = {k: v for k, v in asdict(self).items() if k != "samples"}
+        return {**fields, "requests": self.requests, "errors": self.errors}
 
 
 def request_bodies(model: str, sizes: str, count: int, seed: int) -> list[bytes]:
@@ -291,9 +307,9 @@ def run_load(spec: LoadSpec) -> LoadResult:
         # Closed loop: answers within the window. Open loop: every arrival was in the window,
         # so every answer counts, including those that came during the drain.
         rps=(run.ok_in_window if spec.mode == "closed" else statuses.get("200", 0)) / spec.seconds,
-        p50_ms=1000 * _quantile(latencies, 0.50),
-        p90_ms=1000 * _quantile(latencies, 0.90),
-        p99_ms=1000 * _quantile(latencies, 0.99),
+        p50_ms=1000 * quantile(latencies, 0.50),
+        p90_ms=1000 * quantile(latencies, 0.90),
+        p99_ms=1000 * quantile(latencies, 0.99),
         max_ms=1000 * (latencies[-1] if latencies else 0.0),
         mean_ms=1000 * (sum(latencies) / len(latencies) if latencies else 0.0),
         client_cpu_s=cpu,
@@ -302,7 +318,7 @@ def run_load(spec: LoadSpec) -> LoadResult:
     )
 
 
-def _quantile(ordered: list[float], q: float) -> float:
+def quantile(ordered: list[float], q: float) -> float:
     if not ordered:
         return math.nan
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
