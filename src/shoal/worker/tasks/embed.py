@@ -19,8 +19,7 @@ from shoal.api.embeddings import (
 from shoal.api.rerank import RerankJob, encode_rerank_response, parse_rerank_request
 from shoal.protocol import Endpoint
 from shoal.runtimes.base import EmbeddingRuntime, EmbedOutput
-from shoal.worker.items import BatchOutcome
-from shoal.worker.tasks.isolate import answer_batch
+from shoal.worker.tasks.isolate import BatchTask
 
 
 @dataclass(slots=True)
@@ -39,40 +38,23 @@ class _Job:
         return encode_embeddings_response(self.request, vectors, token_counts, model)
 
 
-class EmbeddingsHandler:
+class EmbeddingsHandler(BatchTask[_Job]):
     """Runs a batch of requests to an embedding model on one runtime call; isolates bad items.
 
     It answers embeddings requests and rerank requests (cosine of query and documents); a
     batch may mix both, and every text of the batch goes into the same `embed` call.
     """
 
-    def __init__(self, runtime: EmbeddingRuntime, model: str) -> None:
-        self.runtime = runtime
-        self.model = model
+    runtime: EmbeddingRuntime
 
-    def handle(
-        self,
-        bodies: list[bytes],
-        adapters: list[str | None] | None = None,
-        endpoints: list[Endpoint | None] | None = None,
-    ) -> BatchOutcome:
-        """Answer each body; `adapters[i]` is the LoRA deployment body i was sent to (or None).
+    def parse(self, body: bytes, adapter: str | None, endpoint: Endpoint | None) -> _Job:
+        if endpoint is Endpoint.RERANK:
+            rerank = parse_rerank_request(body)
+            return _Job([rerank.query, *rerank.documents], rerank, adapter)
+        request, texts = parse_embeddings_request(body, self.runtime.dimensions)
+        return _Job(texts, request, adapter)
 
-        `endpoints[i]` says how body i is decoded (default: embeddings).
-        """
-        adapters = adapters or [None] * len(bodies)
-        endpoints = endpoints or [Endpoint.EMBEDDINGS] * len(bodies)
-
-        def parse(i: int) -> _Job:
-            if endpoints[i] is Endpoint.RERANK:
-                rerank = parse_rerank_request(bodies[i])
-                return _Job([rerank.query, *rerank.documents], rerank, adapters[i])
-            request, texts = parse_embeddings_request(bodies[i], self.runtime.dimensions)
-            return _Job(texts, request, adapters[i])
-
-        return answer_batch(len(bodies), parse, self._run, lambda job: len(job.texts))
-
-    def _run(self, jobs: Sequence[_Job]) -> list[bytes]:
+    def run(self, jobs: Sequence[_Job]) -> list[bytes]:
         texts = [text for job in jobs for text in job.texts]
         text_adapters = [job.adapter for job in jobs for _ in job.texts]
         output = self._embed(texts, text_adapters if any(text_adapters) else None)
@@ -83,6 +65,9 @@ class EmbeddingsHandler:
             bodies.append(job.encode(vectors, counts, job.adapter or self.model))
             offset = end
         return bodies
+
+    def size(self, job: _Job) -> int:
+        return len(job.texts)
 
     def _embed(self, texts: list[str], adapters: list[str | None] | None) -> EmbedOutput:
         # Adapters are passed only when some text has one: a runtime without LoRA support

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, Generic, TypeVar
 
 from shoal.api.errors import ApiError
+from shoal.protocol import Endpoint
 from shoal.worker.items import BatchOutcome, Reply
 
 Job = TypeVar("Job")
@@ -61,3 +62,43 @@ def _run_alone(run: Callable[[Sequence[Job]], list[bytes]], job: Job) -> Reply:
         return Reply.from_error(ApiError(400, f"The model cannot take this input: {err}"))
     except Exception as err:
         return Reply.from_error(ApiError(500, f"The runtime failed on this item: {err}"))
+
+
+class BatchTask(Generic[Job]):
+    """A non-generative task on one runtime: subclasses say how to parse, run and count.
+
+    `handle` is what the batch scheduler calls, in the executor thread.
+    """
+
+    def __init__(self, runtime: Any, model: str) -> None:
+        self.runtime = runtime
+        self.model = model
+
+    def handle(
+        self,
+        bodies: list[bytes],
+        adapters: list[str | None] | None = None,
+        endpoints: list[Endpoint | None] | None = None,
+    ) -> BatchOutcome:
+        """Answer each body; `adapters[i]` is the LoRA deployment body i was sent to (or
+        None), `endpoints[i]` the API it came through (None: the task's default)."""
+        adapters = adapters or [None] * len(bodies)
+        endpoints = endpoints or [None] * len(bodies)
+        return answer_batch(
+            len(bodies),
+            lambda i: self.parse(bodies[i], adapters[i], endpoints[i]),
+            self.run,
+            self.size,
+        )
+
+    def parse(self, body: bytes, adapter: str | None, endpoint: Endpoint | None) -> Job:
+        """Decode and validate one body; ApiError(400) for a bad one."""
+        raise NotImplementedError
+
+    def run(self, jobs: Sequence[Job]) -> list[bytes]:
+        """Run valid jobs in one runtime call: one response body per job."""
+        raise NotImplementedError
+
+    def size(self, job: Job) -> int:
+        """Texts (or pairs) the job runs, for accounting."""
+        raise NotImplementedError
