@@ -91,6 +91,13 @@ def _add_batching(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=env_default("MAX_BATCH_TOKENS", WorkerSettings.max_batch_tokens),
     )
+    parser.add_argument(
+        "--batch-wait",
+        choices=("adaptive", "off"),
+        default=env_default("BATCH_WAIT", "adaptive"),
+        help="adaptive: wait a little for a fuller batch when the measured cost curve says it "
+        "pays (default); off: run whatever is held at once (eager)",
+    )
 
 
 def _add_gateway(parser: argparse.ArgumentParser) -> None:
@@ -158,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=env_default("METRICS_PORT", WorkerSettings.metrics_port),
         help="port of the worker's /metrics (0: a free port)",
+    )
+    worker.add_argument(
+        "--metrics-host",
+        default=env_default("METRICS_HOST", WorkerSettings.metrics_host),
+        help="address the worker's /metrics listens on (0.0.0.0 in a container)",
     )
 
     nats_cmd = commands.add_parser("nats", help="the embedded nats-server alone")
@@ -253,7 +265,7 @@ def _up(args: argparse.Namespace) -> int:
     from shoal.supervisor import Supervisor, UpOptions
 
     nats_url = args.nats or os.environ.get("SHOAL_NATS") or None
-    batching = ["--max-batch-tokens", str(args.max_batch_tokens)]
+    batching = ["--max-batch-tokens", str(args.max_batch_tokens), "--batch-wait", args.batch_wait]
     if args.max_batch_items:
         batching += ["--max-batch-items", str(args.max_batch_items)]
     gateway = [
@@ -330,12 +342,14 @@ def _worker(args: argparse.Namespace) -> int:
         max_batch_items=args.max_batch_items,
         max_batch_tokens=args.max_batch_tokens,
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         fleet=args.fleet,
         memory_budget_mb=args.memory_budget_mb or default_memory_budget_mb(),
         idle_unload_s=args.idle_unload,
         min_residency_s=args.min_residency,
         queue=QueueSettings.from_environment(),
         latency_targets=LatencyTargets.from_environment(),
+        adaptive_batch_wait=args.batch_wait == "adaptive",
         runtime_threads=env_default("THREADS", 0),
     )
     sidecar = WorkerSidecar(settings)

@@ -103,5 +103,7 @@ class WorkerSettings:
     min_residency_s: float = 10.0  # a placed model is not evicted sooner (no thrashing)
     placement_interval_s: float = 0.5
     latency_targets: LatencyTargets = field(default_factory=LatencyTargets)
+    # Wait a little for a fuller batch when that pays (worker/batch_wait.py); False: eager.
+    adaptive_batch_wait: bool = True
     # Threads each runtime may use (torch, llama.cpp); 0: the runtime's own choice.
     runtime_threads: int = 0

@@ -85,6 +85,13 @@ class WorkerMetrics:
             buckets=BATCH_BUCKETS,
             registry=self.registry,
         ).labels(**labels)
+        self.batch_wait = Histogram(
+            "shoal_worker_batch_wait_seconds",
+            "Time a worker waited for a fuller batch before running it (adaptive batch wait)",
+            ["model", "runtime"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        ).labels(**labels)
         self.batch_seconds = Histogram(
             "shoal_worker_batch_seconds",
             "Runtime execution time per batch",

@@ -119,7 +119,12 @@ class ModelServer:
             )
         batch_settings = _with_budget(settings, self.budget)
         self._ctx = SchedulerContext(
-            batch_settings, Outbox(self.nc, self.metrics), self._executor, self.metrics, self._busy
+            batch_settings,
+            Outbox(self.nc, self.metrics),
+            self._executor,
+            self.metrics,
+            self._busy,
+            profiled_latency_s=self.budget.latency_s,
         )
         self._scheduler = self._make_scheduler(runtime)
         self._cancels = await self.nc.subscribe(cancel_subject(spec.name), cb=self._on_cancel)

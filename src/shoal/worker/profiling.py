@@ -22,7 +22,7 @@ import platform
 import sys
 import time
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nats.js import JetStreamContext
 
@@ -55,10 +55,11 @@ MIN_STEPS_PER_SIZE = 3
 
 @dataclass(frozen=True, slots=True)
 class BatchBudget:
-    """How much one batch may hold."""
+    """How much one batch may hold, and the seconds per batch size the profile measured."""
 
     max_batch_items: int
     max_batch_tokens: int
+    latency_s: dict[int, float] = field(default_factory=dict)
 
 
 def is_scoring(runtime: object) -> bool:
@@ -202,7 +203,7 @@ async def tuned_budget(
     while True:
         stored = await read_profile(kv, key)
         if stored is not None:
-            return BatchBudget(stored.max_batch_items, max_batch_tokens)
+            return BatchBudget(stored.max_batch_items, max_batch_tokens, stored.latency_s)
         if await claim_profile(kv, key) or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.5)  # another worker is profiling this model: wait for it
@@ -225,4 +226,4 @@ async def tuned_budget(
     )
     await store_profile(kv, key, profile)
     log.info("%s: profiled, batch budget %d items", spec.name, profile.max_batch_items)
-    return BatchBudget(profile.max_batch_items, max_batch_tokens)
+    return BatchBudget(profile.max_batch_items, max_batch_tokens, profile.latency_s)

@@ -54,6 +54,8 @@ class SchedulerContext:
     busy: BusyMeter
     counters: WorkerCounters = field(default_factory=WorkerCounters)
     room_changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # Seconds per batch size from the model's profile (seeds the adaptive batch wait).
+    profiled_latency_s: dict[int, float] = field(default_factory=dict)
 
 
 class Scheduler(Protocol):

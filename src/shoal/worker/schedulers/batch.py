@@ -9,9 +9,12 @@ never waits for the network.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 
 from shoal.protocol import ModelSpec, Task
+from shoal.worker.batch_wait import CostCurve, plan_wait
 from shoal.worker.items import WorkItem, take_batch
 from shoal.worker.schedulers.base import SchedulerBase, SchedulerContext
 from shoal.worker.tasks.cross_encode import RerankHandler
@@ -35,6 +38,7 @@ class BatchScheduler(SchedulerBase):
         super().__init__(ctx, task)
         self._handler = handler
         self._running: list[WorkItem] = []
+        self._curve = CostCurve(ctx.profiled_latency_s)
 
     def room(self) -> int:
         return self._ctx.settings.max_batch_items - len(self._pending)
@@ -49,6 +53,8 @@ class BatchScheduler(SchedulerBase):
     async def run(self) -> None:
         settings = self._ctx.settings
         while await self._wait_for_work():
+            if settings.adaptive_batch_wait:
+                await self._wait_for_fuller_batch()
             batch = take_batch(self._pending, settings.max_batch_items, settings.max_batch_tokens)
             self._ctx.room_changed.set()
             try:
@@ -56,6 +62,28 @@ class BatchScheduler(SchedulerBase):
             except Exception:
                 # Unacked items are redelivered after ack_wait; nothing is lost.
                 log.exception("batch of %d failed", len(batch))
+
+    async def _wait_for_fuller_batch(self) -> None:
+        """Wait while waiting pays (worker/batch_wait.py): never past the plan's bound."""
+        settings = self._ctx.settings
+        budget = settings.max_batch_items
+        plan = plan_wait(
+            self._curve.fit(), len(self._pending), budget, settings.latency_targets.batch_s
+        )
+        if plan.max_wait_s <= 0:
+            return
+        began = time.monotonic()
+        deadline = began + plan.max_wait_s
+        while self._accepting and len(self._pending) < plan.target_items:
+            if sum(item.cost for item in self._pending) >= settings.max_batch_tokens:
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self._arrived.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._arrived.wait(), remaining)
+        self._ctx.metrics.batch_wait.observe(time.monotonic() - began)
 
     async def _run_batch(self, batch: list[WorkItem]) -> None:
         ctx = self._ctx
@@ -77,6 +105,7 @@ class BatchScheduler(SchedulerBase):
         finally:
             busy_s = ctx.busy.stop()
         self._account_batch(busy_s, len(live))
+        self._curve.observe(len(live), busy_s)
         # Every result first, then every ack: a worker that dies between the two leaves its
         # items to be redelivered, and the gateway drops the duplicate results.
         for item, reply in zip(live, outcome.replies, strict=True):

@@ -1,0 +1,97 @@
+"""The adaptive batch wait: when waiting a little for a fuller batch pays, and for how long.
+
+A worker that runs whatever it holds the moment its runtime is free is busy all the time at
+moderate load but runs small batches: with a large fixed cost per batch (a GPU's launch and
+weight reads, the simulator's `batch_ms`) that wastes most of the device. So before a batch,
+a worker holding fewer items than the batch's "knee" waits for more, within bounds:
+
+- The cost curve is measured, not configured: seconds per batch against items per batch,
+  fitted as `fixed + per_item * n` over this worker's recent batches, seeded by the model's
+  profile (worker/profiling.py) so the first batches already know it.
+- The knee is the smallest batch whose cost per item is within `KNEE_TOLERANCE` of the
+  budget-sized batch's: past it, a larger batch saves little. A curve with no fixed cost has
+  its knee at 1, so such a runtime never waits.
+- It never waits when what it holds reaches the knee (or the token budget), and it waits at
+  most one fixed cost (a longer wait cannot save more than the fixed cost it amortizes),
+  never so long that the knee batch would end past the batch latency target.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+KNEE_TOLERANCE = 0.10
+WINDOW = 64  # recent batches the curve is fitted on
+MIN_SAMPLES = 8
+
+
+@dataclass(frozen=True, slots=True)
+class CostFit:
+    """Seconds per batch of n items: `fixed_s + per_item_s * n`."""
+
+    fixed_s: float
+    per_item_s: float
+
+    def seconds(self, items: int) -> float:
+        return self.fixed_s + self.per_item_s * items
+
+
+@dataclass(frozen=True, slots=True)
+class WaitPlan:
+    """Wait until `target_items` are held, or `max_wait_s` has passed; 0 s: run now."""
+
+    target_items: int
+    max_wait_s: float
+
+
+class CostCurve:
+    """What batches cost on this worker, as measured (and seeded by the stored profile)."""
+
+    def __init__(self, seed: dict[int, float] | None = None) -> None:
+        self._samples: deque[tuple[int, float]] = deque(maxlen=WINDOW)
+        for items, seconds in sorted((seed or {}).items()):
+            self._samples.append((int(items), float(seconds)))
+
+    def observe(self, items: int, seconds: float) -> None:
+        self._samples.append((items, seconds))
+
+    def fit(self) -> CostFit | None:
+        """Least squares over the window; None until there are enough batches of different
+        sizes to tell the fixed cost from the per-item cost."""
+        if len(self._samples) < MIN_SAMPLES and not self._seeded_enough():
+            return None
+        count = len(self._samples)
+        mean_n = sum(n for n, _ in self._samples) / count
+        mean_s = sum(s for _, s in self._samples) / count
+        spread = sum((n - mean_n) ** 2 for n, _ in self._samples)
+        if spread < 1e-9:
+            return None
+        slope = sum((n - mean_n) * (s - mean_s) for n, s in self._samples) / spread
+        per_item = max(0.0, slope)
+        fixed = max(0.0, mean_s - per_item * mean_n)
+        return CostFit(fixed, per_item)
+
+    def _seeded_enough(self) -> bool:
+        return len({n for n, _ in self._samples}) >= 3
+
+
+def plan_wait(fit: CostFit | None, held: int, budget: int, latency_target_s: float) -> WaitPlan:
+    """How long to wait for a fuller batch, holding `held` items, with a budget of `budget`."""
+    if fit is None or budget <= 1 or held >= budget or fit.fixed_s <= 0:
+        return WaitPlan(held, 0.0)
+    knee = knee_items(fit, budget)
+    if held >= knee:
+        return WaitPlan(held, 0.0)
+    longest = min(fit.fixed_s, latency_target_s - fit.seconds(knee))
+    return WaitPlan(knee, max(0.0, longest))
+
+
+def knee_items(fit: CostFit, budget: int) -> int:
+    """The smallest batch whose cost per item is within KNEE_TOLERANCE of a full batch's."""
+    full = fit.seconds(budget) / budget
+    room = (1 + KNEE_TOLERANCE) * full - fit.per_item_s
+    if room <= 0:
+        return budget
+    return max(1, min(budget, math.ceil(fit.fixed_s / room)))

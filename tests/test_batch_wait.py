@@ -1,0 +1,143 @@
+"""The adaptive batch wait: the policy on its own, and a simulated worker that uses it.
+
+The device is the SIMULATED accelerator (runtime `sim`): in the cluster test 200 ms per batch,
+nothing per token, so a batch's fixed cost dominates as on a GPU.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import wait_until, worker_status
+
+from shoal.worker.batch_wait import CostCurve, CostFit, knee_items, plan_wait
+
+
+def test_knee_of_a_fixed_cost_curve():
+    fit = CostFit(fixed_s=0.100, per_item_s=0.0017)
+    # Per item: 0.1 / n + 0.0017 within 10% of a 32-batch's (0.00483) from n = 28 on.
+    assert knee_items(fit, 32) == 28
+    plan = plan_wait(fit, held=3, budget=32, latency_target_s=1.0)
+    assert plan.target_items == 28
+    assert plan.max_wait_s == pytest.approx(0.100)  # at most one fixed cost
+
+
+def test_never_waits_when_waiting_cannot_pay():
+    fit = CostFit(fixed_s=0.100, per_item_s=0.0017)
+    assert plan_wait(fit, held=28, budget=32, latency_target_s=1.0).max_wait_s == 0
+    assert plan_wait(fit, held=32, budget=32, latency_target_s=1.0).max_wait_s == 0
+    no_fixed_cost = CostFit(fixed_s=0.0, per_item_s=0.004)
+    assert plan_wait(no_fixed_cost, held=1, budget=64, latency_target_s=1.0).max_wait_s == 0
+    assert plan_wait(None, held=1, budget=64, latency_target_s=1.0).max_wait_s == 0
+
+
+def test_wait_stays_within_the_latency_target():
+    fit = CostFit(fixed_s=0.5, per_item_s=0.01)
+    knee = knee_items(fit, 64)
+    assert fit.seconds(knee) == pytest.approx(1.03)
+    for target, wait in ((2.0, 0.5), (1.2, 0.17), (1.0, 0.0)):
+        plan = plan_wait(fit, held=1, budget=64, latency_target_s=target)
+        assert plan.max_wait_s == pytest.approx(wait)
+        # A wait never pushes the knee batch's end past the target.
+        assert plan.max_wait_s == 0 or plan.max_wait_s + fit.seconds(knee) <= target + 1e-9
+
+
+def test_curve_is_fitted_from_measured_batches():
+    curve = CostCurve()
+    assert curve.fit() is None
+    for n in (1, 2, 4, 8, 16, 32, 3, 5, 7, 9):
+        curve.observe(n, 0.1 + 0.002 * n)
+    fit = curve.fit()
+    assert fit is not None
+    assert fit.fixed_s == pytest.approx(0.1, abs=1e-6)
+    assert fit.per_item_s == pytest.approx(0.002, abs=1e-6)
+    same_size = CostCurve()
+    for _ in range(10):
+        same_size.observe(4, 0.11)
+    assert same_size.fit() is None  # one size cannot tell fixed from per-item cost
+    seeded = CostCurve({1: 0.101, 8: 0.108, 64: 0.164})  # a profile's points
+    assert seeded.fit() is not None
+
+
+def _batches_for_two_requests(
+    gateway_url: str, nats_url: str, model: str, pid: int, done: int
+) -> int:
+    """Batches the worker ran for two requests, the second sent 30 ms after the first.
+
+    `done`: items the worker answered before (its status is written once a second).
+    """
+    before = wait_until(
+        lambda: (s := worker_status(nats_url, pid)) and s.items_done >= done and s, 10
+    ).batches
+    body = {"model": model, "input": "one"}
+    results: list[int] = []
+
+    def send(text: str) -> None:
+        answer = httpx.post(
+            f"{gateway_url}/v1/embeddings", json={**body, "input": text}, timeout=30
+        )
+        results.append(answer.status_code)
+
+    first = threading.Thread(target=send, args=("first",))
+    first.start()
+    time.sleep(0.03)  # the second arrives while an eager worker already runs the first
+    send("second")
+    first.join()
+    assert results == [200, 200]
+    return wait_until(
+        lambda: (
+            (s := worker_status(nats_url, pid)) and s.items_done >= done + 2 and s.batches - before
+        ),
+        10,
+    )
+
+
+def test_a_worker_waits_for_a_fuller_batch_within_its_bound(
+    nats_server, session_launcher, gateway_url
+):
+    sim = ["--runtime", "sim", "--option", "batch_ms=200", "--option", "token_us=0"]
+    adaptive = session_launcher.worker(nats_server.url, "sim-wait-adaptive", *sim)  # profiled
+    eager = session_launcher.worker(
+        nats_server.url, "sim-wait-eager", *sim, "--max-batch-items", "32", "--batch-wait", "off"
+    )
+    # Warm up: the eager worker runs them one by one, the adaptive one learns its curve.
+    for model in ("sim-wait-adaptive", "sim-wait-eager"):
+        for text in ("warm", "up"):
+            httpx.post(
+                f"{gateway_url}/v1/embeddings", json={"model": model, "input": text}, timeout=30
+            )
+    assert (
+        _batches_for_two_requests(gateway_url, nats_server.url, "sim-wait-eager", eager.pid, 2) == 2
+    )
+    assert (
+        _batches_for_two_requests(
+            gateway_url, nats_server.url, "sim-wait-adaptive", adaptive.pid, 2
+        )
+        == 1
+    )
+    # A lone request waits at most one fixed cost (200 ms) before its 200 ms batch.
+    began = time.perf_counter()
+    answer = httpx.post(
+        f"{gateway_url}/v1/embeddings",
+        json={"model": "sim-wait-adaptive", "input": "alone"},
+        timeout=30,
+    )
+    assert answer.status_code == 200
+    assert time.perf_counter() - began < 0.4 + 0.3  # wait + batch + the path, loosely
+    metrics = httpx.get(worker_status(nats_server.url, adaptive.pid).metrics_url).text
+    waited = {
+        line.split()[0]: float(line.split()[1])
+        for line in metrics.splitlines()
+        if line.startswith("shoal_worker_batch_wait_seconds_")
+        and 'model="sim-wait-adaptive"' in line
+    }
+    count = next(
+        v for k, v in waited.items() if k.startswith("shoal_worker_batch_wait_seconds_count")
+    )
+    total = next(
+        v for k, v in waited.items() if k.startswith("shoal_worker_batch_wait_seconds_sum")
+    )
+    assert count >= 1 and total / count <= 0.2 + 0.02
