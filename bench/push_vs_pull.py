@@ -4,7 +4,8 @@
         [--seconds 5] [--sizes small|mixed] [--cap 64] [--out push_vs_pull_sim]
 
 For each worker count N, each system is started in turn on the same runtime and model spec:
-Shoal (`shoal up --workers N`: gateway -> JetStream -> N pulling workers) and the push
+Shoal (`shoal up --workers N`: gateway -> JetStream -> N pulling workers; `shoal-eager`: the
+same with the adaptive batch wait off) and the push
 baselines (bench.push: router -> N push workers, policies rr, lor, p2c, with a per-worker
 in-flight cap). Each gets, in the same run:
 1. saturation: a closed loop of `connections` clients for `seconds` (throughput, latency,
@@ -71,10 +72,12 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
 def start(name: str, workers: int, spec: ModelSpec, args: argparse.Namespace):
     """A context manager that yields a started System."""
     batch = ["--max-batch-items", str(args.max_batch_items)]
-    if name == "shoal":
+    if name in ("shoal", "shoal-eager"):
         options = [f"--option={k}={v}" for k, v in spec.options.items()]
         extra = ["--model", spec.name, *options] if spec.runtime == "sim" else []
-        cluster = UpCluster(*extra, *batch, "--workers", str(workers))
+        # shoal-eager: the same cluster with the adaptive batch wait off.
+        wait = ["--batch-wait", "off" if name == "shoal-eager" else "adaptive"]
+        cluster = UpCluster(*extra, *batch, *wait, "--workers", str(workers))
         return _Started(name, cluster, UpCluster.metrics_urls)
     if name in POLICIES:
         cluster = PushCluster(
@@ -90,7 +93,8 @@ def start(name: str, workers: int, spec: ModelSpec, args: argparse.Namespace):
         from bench.peers.servers import PeerServer
 
         return _Started(name, PeerServer(name, args.max_batch_items), None)
-    raise SystemExit(f"unknown system {name!r}: shoal, {', '.join(POLICIES)}, {', '.join(PEERS)}")
+    known = ", ".join(["shoal", "shoal-eager", *POLICIES, *PEERS])
+    raise SystemExit(f"unknown system {name!r}: {known}")
 
 
 class _Started(AbstractContextManager):
