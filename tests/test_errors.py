@@ -139,13 +139,15 @@ def test_full_queue_is_429_then_deadlines_are_504(tmp_path, launcher):
         _, url = launcher.gateway(nats.url, "--request-timeout", "1.5")
 
         async def flood() -> list[httpx.Response]:
+            # The limit counts queued messages, and requests that reach a gateway together
+            # share one (group commit): 50 ms apart, each request is a message of its own.
             async with httpx.AsyncClient(base_url=url, timeout=30) as client:
                 body = {"model": model, "input": "waiting"}
-                return list(
-                    await asyncio.gather(
-                        *(client.post("/v1/embeddings", json=body) for _ in range(8))
-                    )
-                )
+                sent = []
+                for _ in range(8):
+                    sent.append(asyncio.create_task(client.post("/v1/embeddings", json=body)))
+                    await asyncio.sleep(0.05)
+                return list(await asyncio.gather(*sent))
 
         responses = asyncio.run(flood())
         statuses = sorted(r.status_code for r in responses)

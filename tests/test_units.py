@@ -39,7 +39,7 @@ def test_model_names_are_validated():
 
 def _item(cost: int) -> WorkItem:
     return WorkItem(
-        msg=None,
+        message=None,
         request_id="r",
         reply_to="x",
         deadline_ms=0,

@@ -22,19 +22,11 @@ CANCEL_SUBJECT_PREFIX = "shoal.cancel"
 
 
 class Header:
-    """NATS header names on work and reply messages."""
+    """NATS header names. Work and results travel in msgpack bodies (below), so the one header
+    is JetStream's own: parsing a dozen header lines per message cost more than the rest of
+    the worker's handling of it."""
 
     MSG_ID = "Nats-Msg-Id"  # JetStream deduplicates a retried publish on it
-    REQUEST_ID = "Shoal-Request-Id"
-    REPLY_TO = "Shoal-Reply-To"
-    DEADLINE = "Shoal-Deadline"  # unix time in milliseconds
-    SENT = "Shoal-Sent"  # unix time in milliseconds, for queue-wait metrics
-    COST = "Shoal-Cost"  # estimated tokens
-    ENDPOINT = "Shoal-Endpoint"  # the API endpoint: an Endpoint value
-    STREAM = "Shoal-Stream"  # "1": reply with a sequence of chunks, not one body
-    STATUS = "Shoal-Status"  # HTTP status of a reply
-    SEQ = "Shoal-Seq"  # position of a chunk in a streamed reply, from 0
-    FINAL = "Shoal-Final"  # "1" on the last message of a streamed reply
 
 
 class Task(StrEnum):
@@ -118,5 +110,45 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     adapter: str = ""
 
 
+class WorkRequest(msgspec.Struct, array_like=True, frozen=True):
+    """One client request inside a work envelope: its metadata and its body as sent."""
+
+    request_id: str
+    endpoint: str  # an Endpoint value
+    deadline_ms: int  # unix ms after which the result is useless
+    cost: int  # estimated tokens (batch forming)
+    body: bytes
+    stream: bool = False  # reply with numbered chunks, not one body
+
+
+class WorkEnvelope(msgspec.Struct, array_like=True, frozen=True):
+    """One JetStream work message: the requests for one model that one gateway queued while
+    its previous publish for that model was in flight (group commit), all answered on
+    `reply_to`. It is acked once every request in it is answered."""
+
+    reply_to: str
+    sent_ms: int  # unix ms of the publish, for queue-wait metrics
+    requests: list[WorkRequest]
+
+
+class Result(msgspec.Struct, array_like=True, frozen=True):
+    """One request's answer (or one chunk of a streamed answer) on its way back."""
+
+    request_id: str
+    status: int  # HTTP status
+    body: bytes  # the response body, or the chunk, ready for the client
+    seq: int = -1  # a streamed chunk's position from 0; -1: a whole answer
+    final: bool = False  # the last message of a streamed answer
+
+
+class ResultBatch(msgspec.Struct, array_like=True, frozen=True):
+    """One reply message: every result of a batch for one gateway."""
+
+    results: list[Result]
+
+
+encode_msgpack = msgspec.msgpack.Encoder().encode
+decode_envelope = msgspec.msgpack.Decoder(WorkEnvelope).decode
+decode_results = msgspec.msgpack.Decoder(ResultBatch).decode
 encode_json = msgspec.json.Encoder().encode
 decode_model_spec = msgspec.json.Decoder(ModelSpec).decode

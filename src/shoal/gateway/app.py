@@ -28,6 +28,7 @@ from shoal.broker.publish import PublishError, QueueFullError, publish_work
 from shoal.config import GatewaySettings
 from shoal.gateway.admin import PREFIX as ADMIN_PREFIX
 from shoal.gateway.admin import check_token, handle_admin
+from shoal.gateway.committer import GroupCommitter
 from shoal.gateway.replies import ReplyRouter
 from shoal.gateway.routing import estimate_tokens, read_routing_fields
 from shoal.gateway.streaming import ClientGone, StreamRelay, next_or_gone, wait_for_disconnect
@@ -36,6 +37,7 @@ from shoal.protocol import (
     Endpoint,
     Header,
     Task,
+    WorkRequest,
     cancel_subject,
     now_ms,
     reply_subject,
@@ -67,6 +69,7 @@ class Gateway:
         self.gateway_id = uuid.uuid4().hex[:12]
         self.metrics = GatewayMetrics()
         self.replies = ReplyRouter(reply_subject(self.gateway_id), self.metrics.dropped_replies.inc)
+        self.committer = GroupCommitter(self.replies.subject, self._publish)
         self.directory = ModelDirectory()
         self._nc: Client | None = None
         self._js = None
@@ -193,22 +196,20 @@ class Gateway:
                 code="model_not_supported",
             )
 
-    def _work_headers(
+    def _work_request(
         self, request_id: str, endpoint: Endpoint, body: bytes, stream: bool
-    ) -> dict[str, str]:
-        sent = now_ms()
-        headers = {
-            Header.MSG_ID: request_id,
-            Header.REQUEST_ID: request_id,
-            Header.REPLY_TO: self.replies.subject,
-            Header.DEADLINE: str(sent + int(self.settings.request_timeout_s * 1000)),
-            Header.SENT: str(sent),
-            Header.COST: str(estimate_tokens(body)),
-            Header.ENDPOINT: endpoint.value,
-        }
-        if stream:
-            headers[Header.STREAM] = "1"
-        return headers
+    ) -> WorkRequest:
+        deadline = now_ms() + int(self.settings.request_timeout_s * 1000)
+        return WorkRequest(
+            request_id, endpoint.value, deadline, estimate_tokens(body), body, stream=stream
+        )
+
+    async def _queue(self, model: str, endpoint: Endpoint, request: WorkRequest) -> None:
+        """Put one request on the model's queue; returns once JetStream stored it."""
+        self._connected_js()  # 503 at once while NATS is away
+        # Generation travels alone: its worker pulls as many requests as it has free slots.
+        alone = endpoint in (Endpoint.COMPLETIONS, Endpoint.CHAT_COMPLETIONS)
+        await self.committer.submit(work_subject(model), request, alone=alone)
 
     def _connected_js(self):
         nc, js = self._nc, self._js
@@ -223,17 +224,13 @@ class Gateway:
 
         With `receive`, a client that disconnects while waiting cancels the request.
         """
-        js = self._connected_js()
         request_id = uuid.uuid4().hex
         timeout_s = self.settings.request_timeout_s
         future = self.replies.expect(request_id)
         disconnected = asyncio.create_task(wait_for_disconnect(receive)) if receive else None
         try:
-            await self._publish(
-                js,
-                work_subject(model),
-                body,
-                self._work_headers(request_id, endpoint, body, stream=False),
+            await self._queue(
+                model, endpoint, self._work_request(request_id, endpoint, body, False)
             )
             if disconnected is None:
                 reply = await asyncio.wait_for(future, timeout_s)
@@ -248,20 +245,18 @@ class Gateway:
             self.replies.forget(request_id)
             if disconnected is not None:
                 disconnected.cancel()
-        return int(reply.headers.get(Header.STATUS, "500")), reply.data
+        return reply.status, reply.body
 
     async def _stream(
         self, model: str, endpoint: Endpoint, body: bytes, receive: Receive, send: Send
     ) -> int:
         """Queue a streamed request and relay its chunks; returns the status for metrics."""
-        js = self._connected_js()
         request_id = uuid.uuid4().hex
         queue = self.replies.expect_stream(request_id)
         disconnected = asyncio.create_task(wait_for_disconnect(receive))
         relay = StreamRelay(queue, send, disconnected)
         try:
-            headers = self._work_headers(request_id, endpoint, body, stream=True)
-            await self._publish(js, work_subject(model), body, headers)
+            await self._queue(model, endpoint, self._work_request(request_id, endpoint, body, True))
             settings = self.settings
             await relay.run(
                 time.monotonic() + settings.request_timeout_s, settings.stream_idle_timeout_s
@@ -282,9 +277,11 @@ class Gateway:
             with contextlib.suppress(Exception):
                 await nc.publish(cancel_subject(model), request_id.encode())
 
-    async def _publish(self, js, subject: str, body: bytes, headers: dict[str, str]) -> None:
+    async def _publish(self, subject: str, payload: bytes, envelope_id: str) -> None:
+        """Publish one work envelope (the committer's publish); ApiError if it was refused."""
+        js = self._connected_js()
         try:
-            await publish_work(js, subject, body, headers)
+            await publish_work(js, subject, payload, {Header.MSG_ID: envelope_id})
         except QueueFullError:
             raise ApiError(
                 429,

@@ -1,27 +1,35 @@
-"""One reply subscription per gateway process; results are matched to waiters by request id."""
+"""One reply subscription per gateway process; results are matched to waiters by request id.
+
+A reply message is a `ResultBatch`: a worker sends every result of a batch for this gateway
+in one message, and each chunk of a stream in one of its own.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
+import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from shoal.protocol import Header
+from shoal.protocol import Result, decode_results
+
+log = logging.getLogger(__name__)
 
 
 class ReplyRouter:
     """Hands each result to the request waiting for it; duplicates and late results are dropped.
 
-    A unary request waits on a future that takes one reply. A streamed request reads a queue
-    that takes every message for its id until the request forgets it.
+    A unary request waits on a future that takes one result. A streamed request reads a queue
+    that takes every result for its id until the request forgets it.
     """
 
     def __init__(self, subject: str, on_dropped=lambda: None) -> None:
         self.subject = subject
-        self._waiting: dict[str, asyncio.Future[Msg]] = {}
-        self._streams: dict[str, asyncio.Queue[Msg]] = {}
+        self._waiting: dict[str, asyncio.Future[Result]] = {}
+        self._streams: dict[str, asyncio.Queue[Result]] = {}
         self._sub: Subscription | None = None
         self._on_dropped = on_dropped
 
@@ -30,13 +38,13 @@ class ReplyRouter:
             self.subject, cb=self._on_reply, pending_msgs_limit=-1, pending_bytes_limit=-1
         )
 
-    def expect(self, request_id: str) -> asyncio.Future[Msg]:
-        future: asyncio.Future[Msg] = asyncio.get_running_loop().create_future()
+    def expect(self, request_id: str) -> asyncio.Future[Result]:
+        future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = future
         return future
 
-    def expect_stream(self, request_id: str) -> asyncio.Queue[Msg]:
-        queue: asyncio.Queue[Msg] = asyncio.Queue()
+    def expect_stream(self, request_id: str) -> asyncio.Queue[Result]:
+        queue: asyncio.Queue[Result] = asyncio.Queue()
         self._streams[request_id] = queue
         return queue
 
@@ -45,13 +53,22 @@ class ReplyRouter:
         self._streams.pop(request_id, None)
 
     async def _on_reply(self, msg: Msg) -> None:
-        request_id = msg.headers.get(Header.REQUEST_ID, "") if msg.headers else ""
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.put_nowait(msg)
+        try:
+            results = decode_results(msg.data).results
+        except (msgspec.DecodeError, msgspec.ValidationError) as err:
+            log.warning("dropped an unreadable reply (%d bytes): %s", len(msg.data), err)
+            self._on_dropped()
             return
-        future = self._waiting.pop(request_id, None)
+        for result in results:
+            self._deliver(result)
+
+    def _deliver(self, result: Result) -> None:
+        stream = self._streams.get(result.request_id)
+        if stream is not None:
+            stream.put_nowait(result)
+            return
+        future = self._waiting.pop(result.request_id, None)
         if future is None or future.done():
             self._on_dropped()
             return
-        future.set_result(msg)
+        future.set_result(result)

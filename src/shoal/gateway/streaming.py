@@ -20,10 +20,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from nats.aio.msg import Msg
-
 from shoal.api.errors import ApiError
-from shoal.protocol import Header
+from shoal.protocol import Result
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -49,8 +47,8 @@ async def wait_for_disconnect(receive: Receive) -> None:
 
 
 async def next_or_gone(
-    get: Awaitable[Msg], disconnected: asyncio.Task[None], timeout_s: float
-) -> Msg:
+    get: Awaitable[Result], disconnected: asyncio.Task[None], timeout_s: float
+) -> Result:
     """The next reply, unless the client leaves first (ClientGone) or time runs out."""
     getter = asyncio.ensure_future(get)
     done, _ = await asyncio.wait(
@@ -68,7 +66,7 @@ class StreamRelay:
     """Relays one request's streamed reply from its queue to the HTTP client."""
 
     def __init__(
-        self, queue: asyncio.Queue[Msg], send: Send, disconnected: asyncio.Task[None]
+        self, queue: asyncio.Queue[Result], send: Send, disconnected: asyncio.Task[None]
     ) -> None:
         self._queue = queue
         self._send = send
@@ -83,7 +81,7 @@ class StreamRelay:
             now = time.monotonic()
             wait_s = min(deadline - now, idle_timeout_s) if self.started else deadline - now
             try:
-                msg = await next_or_gone(self._queue.get(), self._disconnected, wait_s)
+                result = await next_or_gone(self._queue.get(), self._disconnected, wait_s)
             except TimeoutError:
                 message = (
                     f"The stream sent nothing for {idle_timeout_s:g} s; its worker is gone"
@@ -92,22 +90,20 @@ class StreamRelay:
                 )
                 await self._fail(ApiError(504, message, code="timeout"))
                 return
-            if await self._relay(msg):
+            if await self._relay(result):
                 return
 
-    async def _relay(self, msg: Msg) -> bool:
-        """Handle one message; True when the stream is over."""
-        headers = msg.headers or {}
-        status = int(headers.get(Header.STATUS, "500"))
-        seq_header = headers.get(Header.SEQ)
-        if seq_header is None:  # a whole answer, not a chunk
+    async def _relay(self, result: Result) -> bool:
+        """Handle one result; True when the stream is over."""
+        status = result.status
+        if result.seq < 0:  # a whole answer, not a chunk
             if not self.started:
                 self.status = status
-                await self._send_whole(status, msg.data)
+                await self._send_whole(status, result.body)
             else:
-                await self._fail_with_body(status, msg.data)
+                await self._fail_with_body(status, result.body)
             return True
-        seq = int(seq_header)
+        seq = result.seq
         if seq != self._next_seq:
             if seq < self._next_seq and seq != 0:
                 return False  # a duplicate: already relayed
@@ -122,11 +118,11 @@ class StreamRelay:
             return True
         self._next_seq += 1
         await self._start()
-        final = headers.get(Header.FINAL) == "1"
+        final = result.final
         if final and status != 200:
-            await self._fail_with_body(status, msg.data)
+            await self._fail_with_body(status, result.body)
             return True
-        await self._event(msg.data, more=True)
+        await self._event(result.body, more=True)
         if final:
             await self._send({"type": "http.response.body", "body": _DONE, "more_body": False})
         return final

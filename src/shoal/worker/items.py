@@ -1,66 +1,97 @@
 """Work items as the worker sees them, what goes back for each, and forming a batch.
 
-No NATS here: a work item holds its message (anything with `headers`, `data`, `metadata`,
-`ack` and `in_progress`, a nats.py `Msg` in practice) but the tasks and schedulers that
-import this module never touch the connection.
+No NATS here: a work item points at the `WorkMessage` it came in (anything with `ack` and
+`in_progress`, a nats.py `Msg` in practice), but the tasks and schedulers that import this
+module never touch the connection.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 from shoal.api.errors import ApiError
-from shoal.protocol import Endpoint, Header
+from shoal.protocol import Endpoint, WorkEnvelope, WorkRequest
 
-if TYPE_CHECKING:
-    from nats.aio.msg import Msg
+
+@dataclass(slots=True, eq=False)
+class WorkMessage:
+    """A pulled JetStream message and how many of its requests are still unanswered.
+
+    It is acked when the last one is answered (at-least-once: until then a worker's death
+    makes JetStream redeliver the whole message, and the gateway drops duplicate results).
+    """
+
+    msg: Any
+    unanswered: int
+    deliveries: int = 1
+
+    def answered_one(self) -> bool:
+        """Count one answer; True when it was the last (time to ack)."""
+        self.unanswered -= 1
+        return self.unanswered == 0
 
 
 @dataclass(slots=True)
 class WorkItem:
-    """One queued request: its routing metadata from the headers and its opaque body."""
+    """One queued request: its metadata, its body, and the message it came in."""
 
-    msg: Msg
+    message: WorkMessage | None
     request_id: str
     reply_to: str
     deadline_ms: int
     sent_ms: int
     cost: int
-    endpoint: Endpoint | None  # None: a header this worker does not know
+    endpoint: Endpoint | None  # None: an endpoint this worker does not know
+    body: bytes = b""
     stream: bool = False
     deliveries: int = 1
     adapter: str | None = None  # the LoRA deployment it was sent to, served by its base
 
     @classmethod
-    def from_msg(cls, msg: Msg) -> WorkItem:
-        headers = msg.headers or {}
+    def from_request(
+        cls, message: WorkMessage, envelope: WorkEnvelope, request: WorkRequest
+    ) -> WorkItem:
         return cls(
-            msg=msg,
-            request_id=headers.get(Header.REQUEST_ID, ""),
-            reply_to=headers.get(Header.REPLY_TO, ""),
-            deadline_ms=int(headers.get(Header.DEADLINE) or 0),
-            sent_ms=int(headers.get(Header.SENT) or 0),
-            cost=max(1, int(headers.get(Header.COST) or 1)),
-            endpoint=_endpoint(headers.get(Header.ENDPOINT)),
-            stream=headers.get(Header.STREAM) == "1",
-            deliveries=msg.metadata.num_delivered or 1,
+            message=message,
+            request_id=request.request_id,
+            reply_to=envelope.reply_to,
+            deadline_ms=request.deadline_ms,
+            sent_ms=envelope.sent_ms,
+            cost=max(1, request.cost),
+            endpoint=_endpoint(request.endpoint),
+            body=request.body,
+            stream=request.stream,
+            deliveries=message.deliveries,
         )
 
     def expired(self, now_ms: int) -> bool:
         return bool(self.deadline_ms) and self.deadline_ms <= now_ms
 
-    @property
-    def body(self) -> bytes:
-        return self.msg.data
 
-
-def _endpoint(value: str | None) -> Endpoint | None:
+def _endpoint(value: str) -> Endpoint | None:
     try:
         return Endpoint(value or Endpoint.EMBEDDINGS)
     except ValueError:
         return None
+
+
+def deliveries_of(reply_subject: str | None) -> int:
+    """How often JetStream has delivered a message, read from its ack subject.
+
+    `$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>`, or with domain
+    and account hash before the stream (12 tokens or more). Parsing it here costs a split;
+    nats.py's `Msg.metadata` built objects for every field.
+    """
+    if not reply_subject:
+        return 1
+    tokens = reply_subject.split(".")
+    index = 4 if len(tokens) == 9 else 6
+    try:
+        return int(tokens[index])
+    except (IndexError, ValueError):
+        return 1
 
 
 @dataclass(slots=True)

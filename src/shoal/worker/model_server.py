@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,11 +26,11 @@ from shoal.broker.jetstream import ensure_model_consumer
 from shoal.broker.puller import Puller
 from shoal.config import WorkerSettings
 from shoal.observability.metrics import BusyMeter, WorkerMetrics
-from shoal.protocol import WORK_STREAM, ModelSpec, Task, cancel_subject, now_ms
+from shoal.protocol import WORK_STREAM, ModelSpec, Task, cancel_subject, decode_envelope, now_ms
 from shoal.runtimes.base import AdapterHost
 from shoal.runtimes.registry import is_simulated, load_runtime, runtime_record
 from shoal.state.workers import WorkerState, WorkerStatus, put_status
-from shoal.worker.items import WorkItem
+from shoal.worker.items import WorkItem, WorkMessage, deliveries_of
 from shoal.worker.outbox import Outbox
 from shoal.worker.profiling import BatchBudget, tuned_budget
 from shoal.worker.schedulers.base import Scheduler, SchedulerContext
@@ -37,6 +38,8 @@ from shoal.worker.schedulers.batch import BatchScheduler, batch_handler
 from shoal.worker.schedulers.continuous import ContinuousScheduler
 
 log = logging.getLogger(__name__)
+
+ITEMS_PER_MESSAGE_WEIGHT = 0.2
 
 
 class ModelLoadError(RuntimeError):
@@ -88,6 +91,8 @@ class ModelServer:
         self._run_task: asyncio.Task[None] | None = None  # the scheduler
         self._stopping = asyncio.Event()
         self.adapters: dict[str, _AdapterFeed] = {}
+        self._items_per_message = 1.0  # moving average of requests per pulled message
+        self._background_tasks: set[asyncio.Task] = set()
 
     # -- life cycle ------------------------------------------------------------------------
 
@@ -192,9 +197,34 @@ class ModelServer:
         return BatchScheduler(self._ctx, batch_handler(self.spec, runtime), self.spec.task)
 
     def _on_message(self, msg: Msg) -> None:
+        self._accept(msg, None)
+
+    def _accept(self, msg: Msg, adapter: str | None) -> None:
+        """Unpack a pulled work envelope into its requests, one work item each."""
         assert self._scheduler is not None
         self.last_used = time.monotonic()
-        self._scheduler.accept(WorkItem.from_msg(msg))
+        try:
+            envelope = decode_envelope(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as err:
+            # Not Shoal's work format: nobody can answer it, so it must not come back.
+            log.error("dropped an unreadable work message (%d bytes): %s", len(msg.data), err)
+            self._background(msg.term())
+            return
+        if not envelope.requests:
+            self._background(msg.ack())
+            return
+        message = WorkMessage(msg, len(envelope.requests), deliveries_of(msg.reply))
+        size = len(envelope.requests)
+        self._items_per_message += ITEMS_PER_MESSAGE_WEIGHT * (size - self._items_per_message)
+        for request in envelope.requests:
+            item = WorkItem.from_request(message, envelope, request)
+            item.adapter = adapter
+            self._scheduler.accept(item)
+
+    def _background(self, work) -> None:
+        task = asyncio.ensure_future(work)
+        self._background_tasks.add(task)
+        task.add_done_callback(self._background_tasks.discard)
 
     async def _on_cancel(self, msg: Msg) -> None:
         if self._scheduler is not None:
@@ -210,8 +240,12 @@ class ModelServer:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(room_changed.wait(), self.settings.poll_s)
                 continue
+            # A message holds one or more requests (group commit at the gateway): ask for as
+            # many messages as fill the room on average, so the worker does not hold work
+            # another worker could run.
+            messages = max(1, math.floor(room / max(1.0, self._items_per_message)))
             try:
-                await puller.pull(room, self.settings.poll_s)
+                await puller.pull(messages, self.settings.poll_s)
             except Exception as err:  # a reconnect in progress: try again shortly
                 log.warning("pull failed: %s", err)
                 await asyncio.sleep(0.2)
@@ -224,9 +258,10 @@ class ModelServer:
             held = self._scheduler.held() if self._scheduler is not None else []
             if held:
                 self.last_used = time.monotonic()
-            for item in held:
+            messages = {id(item.message): item.message for item in held if item.message}
+            for message in messages.values():
                 with contextlib.suppress(Exception):
-                    await item.msg.in_progress()
+                    await message.msg.in_progress()
 
     # -- LoRA adapters ---------------------------------------------------------------------
 
@@ -246,11 +281,7 @@ class ModelServer:
         consumer = await ensure_model_consumer(self.nc.jetstream(), spec.name, self.settings.queue)
 
         def on_message(msg: Msg) -> None:
-            assert self._scheduler is not None
-            self.last_used = time.monotonic()
-            item = WorkItem.from_msg(msg)
-            item.adapter = spec.name
-            self._scheduler.accept(item)
+            self._accept(msg, spec.name)
 
         feed = _AdapterFeed(spec, Puller(self.nc, WORK_STREAM, consumer, on_message))
         await feed.puller.start()

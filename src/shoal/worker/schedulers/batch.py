@@ -108,8 +108,7 @@ class BatchScheduler(SchedulerBase):
         self._curve.observe(len(live), busy_s)
         # Every result first, then every ack: a worker that dies between the two leaves its
         # items to be redelivered, and the gateway drops the duplicate results.
-        for item, reply in zip(live, outcome.replies, strict=True):
-            await ctx.outbox.reply(item, reply)
+        await ctx.outbox.replies(zip(live, outcome.replies, strict=True))
         for item in live:
             await self._ack(item)
         self._running = []

@@ -1,0 +1,88 @@
+"""Group commit: the requests for one model that arrive while the gateway's previous publish
+for that model is in flight go to the queue together, in one JetStream message.
+
+No timer: an idle gateway publishes a request the moment it arrives (one event-loop turn
+later), so nothing waits that would not have waited anyway; under load each JetStream
+publish, its acknowledgement and each worker's fetch and ack are shared by many requests.
+A request learns that it was stored (or why not) when its envelope's publish returns.
+Generation requests travel alone: a generative worker pulls exactly as many as it has free
+decode slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
+
+from shoal.protocol import WorkEnvelope, WorkRequest, encode_msgpack, now_ms
+
+MAX_REQUESTS_PER_ENVELOPE = 64
+# Well under NATS's default 1 MB max_payload, with room for the envelope's framing.
+MAX_ENVELOPE_BYTES = 256 * 1024
+
+# (subject, payload, envelope id) -> stored; raises to refuse every request in the envelope
+Publish = Callable[[str, bytes, str], Awaitable[None]]
+
+
+class GroupCommitter:
+    """One per gateway process; publishes envelopes on `reply_to`'s behalf."""
+
+    def __init__(self, reply_to: str, publish: Publish) -> None:
+        self._reply_to = reply_to
+        self._publish = publish
+        self._pending: dict[str, list[tuple[WorkRequest, asyncio.Future[None]]]] = {}
+        self._flushing: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def submit(self, subject: str, request: WorkRequest, *, alone: bool = False) -> None:
+        """Queue one request; returns once JetStream has stored it (raises if it was not)."""
+        if alone:
+            await self._send(subject, [request])
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending.setdefault(subject, []).append((request, future))
+        if subject not in self._flushing:
+            self._flushing.add(subject)
+            task = asyncio.create_task(self._flush(subject))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        await future
+
+    async def _flush(self, subject: str) -> None:
+        try:
+            while pending := self._pending.get(subject):
+                taken = _take(pending)
+                del pending[: len(taken)]
+                try:
+                    await self._send(subject, [request for request, _ in taken])
+                except Exception as err:
+                    for _, future in taken:
+                        if not future.done():
+                            future.set_exception(err)
+                else:
+                    for _, future in taken:
+                        if not future.done():
+                            future.set_result(None)
+        finally:
+            self._flushing.discard(subject)
+            if not self._pending.get(subject):
+                self._pending.pop(subject, None)
+
+    async def _send(self, subject: str, requests: list[WorkRequest]) -> None:
+        envelope = WorkEnvelope(self._reply_to, now_ms(), requests)
+        await self._publish(subject, encode_msgpack(envelope), uuid.uuid4().hex)
+
+
+def _take(
+    pending: list[tuple[WorkRequest, asyncio.Future[None]]],
+) -> list[tuple[WorkRequest, asyncio.Future[None]]]:
+    """The next envelope's requests: the first always, then while they fit the limits."""
+    taken = [pending[0]]
+    size = len(pending[0][0].body)
+    for entry in pending[1:MAX_REQUESTS_PER_ENVELOPE]:
+        size += len(entry[0].body)
+        if size > MAX_ENVELOPE_BYTES:
+            break
+        taken.append(entry)
+    return taken

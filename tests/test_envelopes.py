@@ -1,0 +1,122 @@
+"""Group commit and batched replies: what the cheap path adds, on real processes.
+
+Requests that reach a gateway together share one JetStream message (an envelope); a worker
+answers a batch with one reply message per gateway. SIMULATED accelerator (runtime `sim`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import httpx
+from conftest import wait_until, worker_status
+from test_fleet import _assert_all_correct, _send_all
+
+from shoal.broker.connection import connect
+from shoal.protocol import WORK_STREAM
+
+
+def _stored_messages(nats_url: str) -> int:
+    async def read() -> int:
+        nc = await connect(nats_url, name="test")
+        try:
+            return (await nc.jetstream().stream_info(WORK_STREAM)).state.last_seq
+        finally:
+            await nc.close()
+
+    return asyncio.run(read())
+
+
+def test_concurrent_requests_share_messages_and_get_their_own_answers(
+    nats_server, session_launcher, gateway_url
+):
+    model = "sim-envelopes"
+    worker = session_launcher.worker(
+        nats_server.url,
+        model,
+        "--runtime",
+        "sim",
+        "--option",
+        "batch_ms=20",
+        "--max-batch-items",
+        "64",
+    )
+    before = _stored_messages(nats_server.url)
+    texts = [f"enveloped sentence {i}" for i in range(256)]
+    responses = asyncio.run(_send_all(gateway_url, model, texts, concurrency=128))
+    _assert_all_correct(responses, texts)
+    messages = _stored_messages(nats_server.url) - before
+    assert 1 <= messages < len(texts) / 2, messages  # shared: far fewer messages than requests
+    status = wait_until(
+        lambda: (s := worker_status(nats_server.url, worker.pid)) and s.items_done >= 256 and s, 10
+    )
+    assert status.items_done == 256 and status.redelivered == 0
+
+
+def test_one_batch_answers_two_gateways(nats_server, session_launcher, gateway_url):
+    """A batch holding requests of two gateways: each gets exactly its own results."""
+    model = "sim-two-gateways"
+    session_launcher.worker(
+        nats_server.url,
+        model,
+        "--runtime",
+        "sim",
+        "--option",
+        "batch_ms=50",
+        "--max-batch-items",
+        "64",
+    )
+    _, other_url = session_launcher.gateway(nats_server.url)
+    texts_a = [f"gateway a {i}" for i in range(48)]
+    texts_b = [f"gateway b {i}" for i in range(48)]
+
+    async def both():
+        return await asyncio.gather(
+            _send_all(gateway_url, model, texts_a, concurrency=48),
+            _send_all(other_url, model, texts_b, concurrency=48),
+        )
+
+    responses_a, responses_b = asyncio.run(both())
+    _assert_all_correct(responses_a, texts_a)
+    _assert_all_correct(responses_b, texts_b)
+
+
+def test_a_gateway_killed_while_its_batch_runs_harms_no_other(
+    nats_server, session_launcher, launcher, gateway_url
+):
+    model = "sim-gateway-killed"
+    worker = session_launcher.worker(
+        nats_server.url,
+        model,
+        "--runtime",
+        "sim",
+        "--option",
+        "batch_ms=400",
+        "--max-batch-items",
+        "64",
+    )
+    doomed, doomed_url = launcher.gateway(nats_server.url)
+    texts_doomed = [f"doomed {i}" for i in range(16)]
+    texts_live = [f"live {i}" for i in range(16)]
+
+    async def run():
+        async def doomed_requests():
+            try:
+                return await _send_all(doomed_url, model, texts_doomed, concurrency=16)
+            except httpx.HTTPError:
+                return None
+
+        doomed_task = asyncio.create_task(doomed_requests())
+        live_task = asyncio.create_task(_send_all(gateway_url, model, texts_live, concurrency=16))
+        await asyncio.sleep(0.2)  # both gateways' requests are in the running batch
+        doomed.process.send_signal(signal.SIGKILL)
+        return await live_task, await doomed_task
+
+    live, _ = asyncio.run(run())
+    _assert_all_correct(live, texts_live)
+    # Every request was answered once and its envelope acked: nothing comes back later.
+    time.sleep(2.5)  # past the tests' ack wait (2 s)
+    status = worker_status(nats_server.url, worker.pid)
+    assert status.items_done == 32 and status.redelivered == 0, status
