@@ -481,6 +481,8 @@ def _models(args: argparse.Namespace) -> int:
             f"{v.workers_loading:>7} {v.backlog:>7} {batch:>5}"
         )
     for v in views:
+        for key, value in v.quality.items():
+            print(f"{v.name}: {key} {value:.4f}")
         for error in v.errors:
             print(f"{v.name}: failed to load: {error}")
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -71,6 +72,7 @@ class WorkerMetrics:
             registry=self.registry,
         )
         self._items_labels = labels
+        self._items_by_status: dict[int, Any] = {}
         self.queue_wait = Histogram(
             "shoal_worker_queue_wait_seconds",
             "Time from the gateway's publish to the start of the item's batch",
@@ -127,7 +129,12 @@ class WorkerMetrics:
         ).labels(**labels)
 
     def count_item(self, status: int) -> None:
-        self.items.labels(status=str(status), **self._items_labels).inc()
+        # A labelled child per status, looked up once: labels() costs 2 us, inc() 0.3 us.
+        child = self._items_by_status.get(status)
+        if child is None:
+            child = self.items.labels(status=str(status), **self._items_labels)
+            self._items_by_status[status] = child
+        child.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

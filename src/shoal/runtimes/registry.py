@@ -80,6 +80,18 @@ RUNTIME_RECORDS: dict[str, RuntimeRecord] = {
             adapter_formats=(AdapterFormat.GGUF, AdapterFormat.PEFT),
         ),
         RuntimeRecord(
+            name="onnx",
+            summary="ONNX Runtime: sentence-transformers embedders and cross-encoders, "
+            "exported once (fp32, or dynamic int8 with its measured cosine)",
+            loaders={
+                Task.EMBEDDINGS: "shoal.runtimes.onnx:OnnxEmbeddingRuntime",
+                Task.RERANK: "shoal.runtimes.onnx:OnnxCrossEncoderRuntime",
+            },
+            # Exporting needs torch and sentence-transformers; serving the tokenizer.
+            requires=("onnxruntime", "onnx", "torch", "sentence_transformers"),
+            extra="onnx",
+        ),
+        RuntimeRecord(
             name="sim",
             summary="simulated accelerator (no model runs): scheduling experiments, fast tests",
             loaders={

@@ -32,6 +32,7 @@ class ModelView(msgspec.Struct, kw_only=True):
     max_batch_items: int  # the batch budget: the tuned profile's, or what its workers run with
     options: dict[str, Any] = msgspec.field(default_factory=dict)
     errors: list[str] = msgspec.field(default_factory=list)  # why workers failed to load it
+    quality: dict[str, float] = msgspec.field(default_factory=dict)  # e.g. ONNX int8 cosine
 
 
 async def model_views(js: JetStreamContext) -> list[ModelView]:
@@ -55,6 +56,7 @@ async def model_views(js: JetStreamContext) -> list[ModelView]:
                 max_batch_items=profiles.get(spec.name) or max(budgets, default=0),
                 options=spec.options,
                 errors=sorted({s.error for s in mine if s.state is WorkerState.FAILED}),
+                quality=next((s.quality for s in mine if s.quality), {}),
             )
         )
     return views

@@ -57,6 +57,8 @@ class WorkerStatus(msgspec.Struct, kw_only=True):
     memory_mb: float = 0.0
     last_used_ms: int = 0
     error: str = ""  # state FAILED: why the load failed
+    # A lossy runtime's measured quality, e.g. ONNX int8's mean cosine to fp32 (`int8_cosine`).
+    quality: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 decode_worker_status = msgspec.json.Decoder(WorkerStatus).decode

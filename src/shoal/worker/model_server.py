@@ -91,6 +91,7 @@ class ModelServer:
         self._run_task: asyncio.Task[None] | None = None  # the scheduler
         self._stopping = asyncio.Event()
         self.adapters: dict[str, _AdapterFeed] = {}
+        self.quality: dict[str, float] = {}
         self._items_per_message = 1.0  # moving average of requests per pulled message
         self._background_tasks: set[asyncio.Task] = set()
 
@@ -109,6 +110,9 @@ class ModelServer:
             self._executor.shutdown(wait=False)
             raise ModelLoadError(f"cannot load {spec.name} on {spec.runtime}: {err}") from err
         self._runtime = runtime
+        # What a lossy runtime measured of itself at load (ONNX int8: its cosine to fp32).
+        cosine = getattr(runtime, "int8_cosine", None)
+        self.quality = {"int8_cosine": round(float(cosine), 6)} if cosine is not None else {}
         # A simulated model declares its footprint; a real one is measured.
         declared = spec.options.get("memory_mb") if self._simulated else None
         self.memory_mb = float(declared) if declared is not None else max(0.0, _rss_mb() - before)
@@ -325,6 +329,7 @@ class ModelServer:
         status.busy_fraction = round(busy, 4)
         status.memory_mb = round(self.memory_mb, 1)
         status.max_batch_items = self.budget.max_batch_items
+        status.quality = self.quality
         status.last_used_ms = now_ms() - int(1000 * (time.monotonic() - self.last_used))
         if self._ctx is not None:
             counters = self._ctx.counters
