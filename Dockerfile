@@ -48,7 +48,7 @@ COPY src ./src
 # The README's install command, without the editable flag and the test extra. The versions
 # are pinned where they matter in pyproject.toml, which is what this installs.
 # hadolint ignore=DL3013
-RUN CMAKE_ARGS="$LLAMA_CMAKE_ARGS" pip install ".[torch,llamacpp]"
+RUN CMAKE_ARGS="$LLAMA_CMAKE_ARGS" pip install ".[torch,llamacpp,onnx]"
 
 FROM ${PYTHON_IMAGE}
 

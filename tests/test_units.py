@@ -145,3 +145,33 @@ def test_resolve_model_needs_a_runtime_for_unknown_names():
         resolve_model("my-model")
     spec = resolve_model("sim-embed", options={"batch_ms": 7})
     assert spec.runtime == "sim" and spec.options["batch_ms"] == 7
+
+
+def test_nesting_guard_counts_structure_not_strings():
+    from shoal.gateway.routing import MAX_NESTING, nesting_exceeds
+
+    deep = b"[" * (MAX_NESTING + 1) + b"]" * (MAX_NESTING + 1)
+    assert nesting_exceeds(deep, MAX_NESTING)
+    assert not nesting_exceeds(b"[" * MAX_NESTING + b"]" * MAX_NESTING, MAX_NESTING)
+    # Brackets inside strings, with escaped quotes before them, are text.
+    in_string = b'{"input": "\\"' + b"[" * 1000 + b'\\" {{"}'
+    assert not nesting_exceeds(in_string, MAX_NESTING)
+    # Many brackets side by side are not deep.
+    wide = b"[" + b"[1]," * 1000 + b"[1]]"
+    assert not nesting_exceeds(wide, MAX_NESTING)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model": "m", "input": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        b'{"ignored": ' + b"{" * 50_000 + b'"model": "m", "input": "x"}',  # not even valid
+        b'{"model": "m", "x": ' + b'{"a":' * 200 + b"1" + b"}" * 200 + b"}",
+    ],
+)
+def test_deep_nesting_is_a_400_not_a_recursion_error(body):
+    from shoal.gateway.routing import read_routing_fields
+
+    with pytest.raises(ApiError) as caught:
+        read_routing_fields(body)
+    assert caught.value.status == 400

@@ -176,8 +176,7 @@ class Gateway:
             status = _CLIENT_CLOSED
         finally:
             elapsed = time.perf_counter() - started
-            self.metrics.requests.labels(endpoint.value, model_label, str(status)).inc()
-            self.metrics.latency.labels(endpoint.value, model_label).observe(elapsed)
+            self.metrics.observe_request(endpoint.value, model_label, status, elapsed)
 
     def _check_model(self, model: str, endpoint: Endpoint) -> None:
         # Before the first connection the directory is empty: that is not a 404.

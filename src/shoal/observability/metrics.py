@@ -51,6 +51,23 @@ class GatewayMetrics:
             registry=self.registry,
         )
 
+        # Label lookups cost ~5 us a request (a lock and a tuple of strings): the children are
+        # kept here, one per (route, model, status) seen; models are only deployed ones.
+        self._request_children: dict[tuple[str, str, int], tuple[Any, Any]] = {}
+
+    def observe_request(self, route: str, model: str, status: int, seconds: float) -> None:
+        """Count one HTTP request and its latency."""
+        key = (route, model, status)
+        children = self._request_children.get(key)
+        if children is None:
+            children = (
+                self.requests.labels(route, model, str(status)),
+                self.latency.labels(route, model),
+            )
+            self._request_children[key] = children
+        children[0].inc()
+        children[1].observe(seconds)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
