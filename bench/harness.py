@@ -104,8 +104,7 @@ class UpCluster:
         """CPU time so far of each part of the cluster: nats, gateway, workers, supervisor."""
         assert self.process is not None
         totals: dict[str, float] = {}
-        for pid in process_tree(self.process.pid):
-            name = component_of(pid)
+        for pid, name in component_tree(self.process.pid).items():
             totals[name] = totals.get(name, 0.0) + process_cpu_seconds(pid)
         return totals
 
@@ -303,18 +302,37 @@ def machine_facts() -> dict[str, object]:
     }
 
 
-def process_tree(root: int) -> list[int]:
+def _parents() -> dict[int, int]:
     parents: dict[int, int] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
+    return parents
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and its descendants, parents before their children."""
+    parents = _parents()
     found, frontier = [root], {root}
     while frontier:
         frontier = {pid for pid, ppid in parents.items() if ppid in frontier}
-        found.extend(frontier)
+        found.extend(sorted(frontier))
     return found
+
+
+def component_tree(root: int) -> dict[int, str]:
+    """Each process under `root` by component. A child whose command line names none (the
+    gateway's server processes, started by multiprocessing) belongs to its parent's."""
+    parents = _parents()
+    components: dict[int, str] = {}
+    for pid in process_tree(root):
+        name = component_of(pid)
+        if name == "other" and parents.get(pid) in components:
+            name = components[parents[pid]]
+        components[pid] = name
+    return components
 
 
 def component_of(pid: int) -> str:

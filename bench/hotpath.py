@@ -2,7 +2,7 @@
 and CPU per request of every component (issue 11).
 
     python -m bench.hotpath [--batch-ms 1 --token-us 2 --budget 256 --connections 256
-        --seconds 20] [--rounds 1] [--json PATH] [--profile DIR --profile-seconds 10]
+        --gateways 1 --seconds 20] [--rounds 1] [--json PATH] [--profile DIR --profile-seconds 10]
 
 One `shoal up` (embedded nats-server, one gateway, ONE worker) serving the simulated
 embedding device `sim` at `batch_ms + token_us * tokens` per batch (sleeping, so the device
@@ -41,9 +41,8 @@ from bench.fleet_metrics import scrape, window
 from bench.harness import (
     SENTENCE,
     UpCluster,
-    component_of,
+    component_tree,
     machine_facts,
-    process_tree,
     run_wrk,
     write_result,
     wrk_available,
@@ -71,8 +70,8 @@ def component_pids(up: UpCluster) -> dict[str, list[int]]:
     """The processes of a running `shoal up`, by component (gateway, worker, nats, ...)."""
     assert up.process is not None
     pids: dict[str, list[int]] = {}
-    for pid in process_tree(up.process.pid):
-        pids.setdefault(component_of(pid), []).append(pid)
+    for pid, name in component_tree(up.process.pid).items():
+        pids.setdefault(name, []).append(pid)
     return pids
 
 
@@ -142,7 +141,9 @@ def profile(up: UpCluster, urls: list[str], args: argparse.Namespace) -> dict:
         # --gil: only samples that hold the GIL, i.e. Python at work, not the event loop
         # waiting in epoll or a thread waiting on a lock. --nonblocking: the process is not
         # paused at each sample, which would slow it down (py-spy needs the pause for C frames).
-        command = [binary, "record", "--format", "raw", "--gil", "-r", str(args.rate)]
+        # --subprocesses: with several gateway processes, the first pid is their parent.
+        command = [binary, "record", "--format", "raw", "--gil", "--subprocesses"]
+        command += ["-r", str(args.rate)]
         command += ["--native"] if args.native else ["--nonblocking"]
         command += ["-d", str(args.profile_seconds), "-o", str(raw), "--pid", str(pids[name][0])]
         spies[name] = (raw, subprocess.Popen(command, stdout=subprocess.DEVNULL))
@@ -205,7 +206,8 @@ def _function(frame: str) -> str:
 def report(args: argparse.Namespace, rounds: list[dict]) -> None:
     print(
         f"hot path: SIMULATED device {args.batch_ms:g} ms/batch + {args.token_us:g} us/token, "
-        f"budget {args.budget}, {args.connections} wrk connections, {args.seconds:g} s a round"
+        f"budget {args.budget}, {args.gateways} gateway process(es), {args.connections} wrk "
+        f"connections, {args.seconds:g} s a round"
     )
     head = f"{'round':>5} {'req/s':>8} {'limit':>8} {'ratio':>6} {'busy':>5} {'batch':>6} "
     head += f"{'p50 ms':>7} {'p99 ms':>7} {'err':>4} | CPU us/request: "
@@ -244,6 +246,7 @@ def main() -> None:
     parser.add_argument("--token-us", type=float, default=2.0, help="device: cost a token")
     parser.add_argument("--budget", type=int, default=256, help="worker batch budget, items")
     parser.add_argument("--connections", type=int, default=256)
+    parser.add_argument("--gateways", type=int, default=1, help="gateway processes, one port")
     parser.add_argument("--seconds", type=float, default=20.0, help="a measured window")
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--rounds", type=int, default=1, help="measured windows, one cluster")
@@ -260,7 +263,8 @@ def main() -> None:
     # The item budget is the one that binds: the token budget (on the cost header, body
     # bytes / 4, ~30 for these requests) gets room for `budget` items of up to 64.
     budget = ["--max-batch-items", str(args.budget), "--max-batch-tokens", str(64 * args.budget)]
-    with UpCluster("--model", MODEL, *options, *budget, "--workers", "1") as up:
+    cluster = ["--workers", "1", "--gateways", str(args.gateways)]
+    with UpCluster("--model", MODEL, *options, *budget, *cluster) as up:
         urls = worker_metrics_urls(up)
         run_wrk(up.url, MODEL, args.connections, args.warmup)  # connections, first batches
         rounds = [measure(up, urls, args, args.seconds) for _ in range(args.rounds)]
@@ -281,6 +285,7 @@ def main() -> None:
                 "connections": args.connections,
                 "seconds": args.seconds,
                 "workers": 1,
+                "gateways": args.gateways,
                 "client": "wrk",
             },
             "rounds": rounds,

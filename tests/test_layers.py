@@ -18,7 +18,7 @@ ALLOWED: dict[str, set[str]] = {
     "protocol": set(),
     "config": {"protocol"},
     "api": {"protocol", "runtimes.base"},
-    "runtimes": {"protocol"},
+    "runtimes": {"protocol", "process"},  # engines start children (process.py)
     "broker": {"protocol", "config", "process"},
     "state": {"protocol", "config", "broker", "runtimes.registry", "runtimes.gguf_lora"},
     "observability": {"protocol"},

@@ -13,6 +13,8 @@ import sys
 import msgspec
 
 from shoal.catalog import BUILTIN_MODELS, DEFAULT_MODEL, resolve_model
+from shoal.cli_dlq import add_dlq_parser, run_dlq
+from shoal.cli_keys import add_keys_parser, run_keys
 from shoal.cluster_file import (
     ClusterInfo,
     remove_cluster_info,
@@ -21,7 +23,9 @@ from shoal.cluster_file import (
     write_cluster_info,
 )
 from shoal.config import (
+    API_KEY_MODES,
     GatewaySettings,
+    HttpTimeouts,
     LatencyTargets,
     QueueSettings,
     WorkerSettings,
@@ -120,16 +124,46 @@ def _add_gateway(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=env_default("MAX_BODY_BYTES", GatewaySettings.max_body_bytes),
     )
-    parser.add_argument(
+    admin = parser.add_mutually_exclusive_group()
+    admin.add_argument(
         "--admin-token",
         default=env_default("ADMIN_TOKEN", ""),
-        help="token for the admin API (/admin/models); without one the API is off "
-        "(env SHOAL_ADMIN_TOKEN, which keeps it off the command line)",
+        help="token for the admin API (/admin/models); without one the API is off. A flag "
+        "shows in the process list (ps): prefer env SHOAL_ADMIN_TOKEN or --admin-token-file",
     )
+    admin.add_argument(
+        "--admin-token-file",
+        default="",
+        metavar="PATH",
+        help="read the admin token from this file (env SHOAL_ADMIN_TOKEN_FILE)",
+    )
+    keys = parser.add_mutually_exclusive_group()
+    keys.add_argument(
+        "--require-api-keys",
+        dest="api_keys",
+        action="store_const",
+        const="required",
+        help="inference routes need an API key (`shoal keys create`) even on loopback",
+    )
+    keys.add_argument(
+        "--no-auth",
+        dest="api_keys",
+        action="store_const",
+        const="off",
+        help="no API keys, even off loopback: anyone who reaches the gateway uses every model",
+    )
+    # Default (env SHOAL_API_KEYS=auto|required|off): keys required unless on loopback only.
+    parser.set_defaults(api_keys=env_default("API_KEYS", GatewaySettings.api_keys))
     parser.add_argument(
         "--http-server",
         choices=("uvicorn", "granian"),
         default=env_default("HTTP_SERVER", GatewaySettings.http_server),
+    )
+    parser.add_argument(
+        "--gateways",
+        type=int,
+        default=env_default("GATEWAYS", GatewaySettings.processes),
+        help="gateway processes sharing the port; one serves about a core's worth of requests",
     )
 
 
@@ -195,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     runtimes = commands.add_parser("runtimes", help="the runtimes, what each serves, installed?")
     runtimes.add_argument("--json", action="store_true", help="one JSON document")
+    add_keys_parser(commands)
+    add_dlq_parser(commands)
     return parser
 
 
@@ -257,6 +293,8 @@ def main(argv: list[str] | None = None) -> None:
         "undeploy": _undeploy,
         "models": _models,
         "runtimes": _runtimes,
+        "keys": run_keys,
+        "dlq": run_dlq,
     }[args.command]
     sys.exit(handler(args) or 0)
 
@@ -277,9 +315,14 @@ def _up(args: argparse.Namespace) -> int:
         str(args.max_body_bytes),
         "--http-server",
         args.http_server,
+        "--gateways",
+        str(args.gateways),
     ]
-    if args.admin_token:  # to the gateway child through its environment, not its argv
-        os.environ["SHOAL_ADMIN_TOKEN"] = args.admin_token
+    gateway += {"required": ["--require-api-keys"], "off": ["--no-auth"]}.get(
+        _api_keys_mode(args), []
+    )
+    if token := _admin_token(args):  # to the gateway child through its environment, not argv
+        os.environ["SHOAL_ADMIN_TOKEN"] = token
     # Each of N workers gets an equal share of the machine's model memory by default.
     budget = args.memory_budget_mb or default_memory_budget_mb() / max(1, args.workers)
     placement = [
@@ -314,11 +357,40 @@ def _gateway(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout,
         stream_idle_timeout_s=args.stream_idle_timeout,
         http_server=args.http_server,
-        admin_token=args.admin_token,
+        processes=args.gateways,
+        admin_token=_admin_token(args),
+        api_keys=_api_keys_mode(args),
         queue=QueueSettings.from_environment(),
+        http_timeouts=HttpTimeouts.from_environment(),
     )
     serve(settings)
     return 0
+
+
+def _admin_token(args: argparse.Namespace) -> str:
+    """The admin token, read once: the first line of `--admin-token-file`, else `--admin-token`
+    or SHOAL_ADMIN_TOKEN, else the first line of the file SHOAL_ADMIN_TOKEN_FILE names."""
+    path = args.admin_token_file or (
+        "" if args.admin_token else os.environ.get("SHOAL_ADMIN_TOKEN_FILE", "")
+    )
+    if not path:
+        return args.admin_token
+    try:
+        with open(path, encoding="utf-8") as file:
+            token = file.readline().strip()
+    except OSError as err:
+        raise SystemExit(f"shoal: cannot read the admin token file: {err}") from None
+    if not token:
+        raise SystemExit(f"shoal: the admin token file {path} is empty")
+    return token
+
+
+def _api_keys_mode(args: argparse.Namespace) -> str:
+    if args.api_keys not in API_KEY_MODES:
+        raise SystemExit(
+            f"SHOAL_API_KEYS={args.api_keys!r} is not one of {', '.join(API_KEY_MODES)}"
+        )
+    return args.api_keys
 
 
 def _worker(args: argparse.Namespace) -> int:

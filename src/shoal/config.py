@@ -59,6 +59,27 @@ class LatencyTargets:
 
 
 @dataclass(frozen=True)
+class HttpTimeouts:
+    """How long a client may take to send a request: slow clients hold a connection each."""
+
+    # From the connection's start (or a keep-alive request's first byte) to its last header.
+    header_s: float = 10.0
+    # To read a request's whole body, once its headers are in (408 past it).
+    body_s: float = 30.0
+
+    @classmethod
+    def from_environment(cls) -> HttpTimeouts:
+        """`SHOAL_HEADER_TIMEOUT` and `SHOAL_BODY_TIMEOUT` (seconds)."""
+        return cls(
+            header_s=env_default("HEADER_TIMEOUT", cls.header_s),
+            body_s=env_default("BODY_TIMEOUT", cls.body_s),
+        )
+
+
+API_KEY_MODES = ("auto", "required", "off")
+
+
+@dataclass(frozen=True)
 class GatewaySettings:
     nats_url: str
     host: str = "127.0.0.1"
@@ -70,8 +91,15 @@ class GatewaySettings:
     stream_idle_timeout_s: float = 30.0
     retry_after_s: int = 1
     http_server: str = "uvicorn"
+    # Gateway processes sharing the port (the kernel spreads connections over them): one
+    # Python process serves about one core's worth of requests.
+    processes: int = 1
     queue: QueueSettings = field(default_factory=QueueSettings)
     admin_token: str = ""  # empty: the admin API (/admin/models) is off
+    # API keys on the inference routes (gateway/auth.py): "auto" requires them unless the
+    # gateway listens on loopback only, "required" always, "off" never (`--no-auth`).
+    api_keys: str = "auto"
+    http_timeouts: HttpTimeouts = field(default_factory=HttpTimeouts)
 
 
 def default_memory_budget_mb() -> float:

@@ -1,19 +1,31 @@
 """`shoal up`: an embedded NATS (unless given one), a gateway and N workers, as child processes.
 
 The supervisor deploys the model, starts the children, waits until the gateway is ready and
-every worker has loaded its model, prints where the cluster is, restarts a worker that dies,
-and on SIGINT or SIGTERM stops every child it started (workers first, so they drain).
+every worker has loaded its model, prints where the cluster is, and from then on (and already
+while it starts) restarts any child that dies, with exponential backoff, while the others keep
+serving: nats-server on the same port and store (every client's reconnect finds it, and the
+queued work is still there), the gateway on the same port, a worker as a new process. Only a
+failed initial deploy or a gateway port held by another process ends `shoal up`. On SIGINT or
+SIGTERM it stops every child it started: workers first (they drain), then the gateway, then
+nats-server; no child is restarted once the stop has begun.
+
+Everything runs on the main thread: the children get SIGTERM when the thread that started them
+ends (PR_SET_PDEATHSIG), and one thread makes "restart" and "stop" unable to race.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shoal.broker.connection import connect
@@ -29,10 +41,13 @@ from shoal.config import QueueSettings
 from shoal.process import child_preexec
 from shoal.protocol import ModelSpec, encode_json
 from shoal.state.deployments import DeploymentError, deploy
-from shoal.state.workers import WorkerState, read_worker_statuses
 
 STOP_TIMEOUT_S = 30.0
 READY_TIMEOUT_S = 300.0
+TICK_S = 0.1
+# A gateway that dies this many times in a row while another process holds its port ends
+# `shoal up`: waiting longer would not free the port.
+GATEWAY_BIND_ATTEMPTS = 5
 
 
 @dataclass
@@ -46,14 +61,125 @@ class UpOptions:
     worker_args: list[str] = field(default_factory=list)
 
 
+@dataclass
+class Backoff:
+    """Delay before restarting a child: `initial`, doubling up to `maximum` while it keeps dying,
+    back to `initial` once it has stayed up `reset_after` seconds."""
+
+    initial: float = 0.5
+    maximum: float = 10.0
+    reset_after: float = 30.0
+    _next: float = 0.0
+
+    def after_exit(self, uptime: float) -> float:
+        """The delay before the next start of a child that ran `uptime` seconds."""
+        if self._next == 0.0 or uptime >= self.reset_after:
+            self._next = self.initial
+        delay = self._next
+        self._next = min(self.maximum, self._next * 2)
+        return delay
+
+
+class Child:
+    """One supervised process: how to start it, when it started, when it is due to restart."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.backoff = Backoff()
+        self.started_at = 0.0
+        self.restart_at: float | None = None  # set while it is dead and waiting for its restart
+        self.starts = 0
+
+    def start(self) -> None:
+        self._start()
+        self.started_at = time.monotonic()
+        self.restart_at = None
+        self.starts += 1
+
+    def _start(self) -> None:
+        raise NotImplementedError
+
+    def poll(self) -> int | None:
+        """None while it runs (or was never started); else its exit status."""
+        raise NotImplementedError
+
+    @property
+    def pid(self) -> int | None:
+        raise NotImplementedError
+
+    def clean_up_exited(self) -> None:
+        """After it exited: end whatever it left behind."""
+
+
+class ProcessChild(Child):
+    """A `python -m shoal ...` child (the gateway or a worker) in its own process group."""
+
+    def __init__(self, name: str, spawn: Callable[[], subprocess.Popen[bytes]]) -> None:
+        super().__init__(name)
+        self._spawn = spawn
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def _start(self) -> None:
+        self.process = self._spawn()
+
+    def poll(self) -> int | None:
+        return self.process.poll() if self.process is not None else None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def clean_up_exited(self) -> None:
+        # A killed gateway can leave server workers (granian's) holding its port, and a worker
+        # can leave an engine it started: end its whole process group.
+        if self.process is not None:
+            _kill_group(self.process.pid)
+
+    def stop_wait(self, deadline: float) -> None:
+        """Wait for the SIGTERM already sent, until `deadline`; then SIGKILL."""
+        if self.process is None:
+            return
+        try:
+            self.process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        _kill_group(self.process.pid)
+
+
+class NatsChild(Child):
+    """The embedded nats-server: every start after the first is on the same port and store."""
+
+    def __init__(self, server: EmbeddedNats) -> None:
+        super().__init__("nats-server")
+        self.server = server
+
+    def _start(self) -> None:
+        if self.starts == 0:
+            self.server.start()
+        else:
+            self.server.restart()
+
+    def poll(self) -> int | None:
+        return self.server.poll()
+
+    @property
+    def pid(self) -> int | None:
+        return self.server.pid
+
+
 class Supervisor:
     def __init__(self, options: UpOptions) -> None:
         self.options = options
         self.nats: EmbeddedNats | None = None
         self.nats_url = options.nats_url or ""
-        self.gateway: subprocess.Popen[bytes] | None = None
-        self.workers: list[subprocess.Popen[bytes]] = []
+        self.gateway_url = f"http://{options.host}:{options.port}"
+        self._nats_child: NatsChild | None = None
+        self._gateway: ProcessChild | None = None
+        self._workers: list[ProcessChild] = []
         self._stop = False
+        self._gateway_bind_failures = 0
+        self._fatal: str | None = None  # why `shoal up` must end, once a child cannot be kept up
 
     def run(self) -> int:
         running = read_cluster_info()
@@ -72,46 +198,114 @@ class Supervisor:
             self.stop()
 
     def _on_signal(self, signum: int, frame: object) -> None:
+        # Only a flag: the main loop sees it, restarts nothing more and stops everything.
         self._stop = True
 
     def _run(self) -> int:
         options = self.options
+        if _port_in_use(options.host, options.port):
+            print(
+                f"shoal up: the gateway's port {options.host}:{options.port} is in use by "
+                "another process; choose another with --port",
+                file=sys.stderr,
+            )
+            return 1
         if not self.nats_url:
             self.nats = EmbeddedNats(store_dir=state_dir() / "nats")
-            self.nats_url = self.nats.start()
+            self._nats_child = NatsChild(self.nats)
+            self._nats_child.start()
+            self.nats_url = self.nats.url
         try:
             asyncio.run(self._prepare_queue())
         except DeploymentError as err:
             print(f"shoal up: {err}", file=sys.stderr)
             return 1
-        gateway_url = f"http://{options.host}:{options.port}"
-        self.gateway = self._spawn(
-            ["gateway", "--host", options.host, "--port", str(options.port), *options.gateway_args]
-        )
-        self.workers = [self._spawn_worker() for _ in range(options.workers)]
-        if not self._wait_ready(gateway_url):
+        gateway_args = ["--host", options.host, "--port", str(options.port), *options.gateway_args]
+        self._gateway = ProcessChild("gateway", lambda: self._spawn(["gateway", *gateway_args]))
+        self._gateway.start()
+        for i in range(options.workers):
+            worker = ProcessChild(f"worker {i + 1}", self._spawn_worker)
+            worker.start()
+            self._workers.append(worker)
+        if not self._wait_ready():
             return 1
-        write_cluster_info(ClusterInfo(self.nats_url, gateway_url, os.getpid()))
+        write_cluster_info(ClusterInfo(self.nats_url, self.gateway_url, os.getpid()))
         print(
             f"Shoal is up: {options.model.name} ({options.model.runtime}) on "
             f"{options.workers} worker(s)\n"
-            f"  gateway  {gateway_url}/v1\n"
+            f"  gateway  {self.gateway_url}/v1\n"
             f"  nats     {self.nats_url}\n"
             "Press Ctrl-C to stop.",
             flush=True,
         )
         while not self._stop:
-            if self.gateway.poll() is not None:
-                print(f"the gateway exited with {self.gateway.returncode}", file=sys.stderr)
+            self._tick()
+            if self._fatal:
+                print(f"shoal up: {self._fatal}", file=sys.stderr)
                 return 1
-            for i, worker in enumerate(self.workers):
-                if worker.poll() is not None and not self._stop:
-                    print(
-                        f"worker {worker.pid} exited ({worker.returncode}); restarting", flush=True
-                    )
-                    self.workers[i] = self._spawn_worker()
-            time.sleep(0.2)
+            time.sleep(TICK_S)
         return 0
+
+    def _children(self) -> list[Child]:
+        """NATS first: in a tick where several are due, the others need it."""
+        children: list[Child] = []
+        if self._nats_child is not None:
+            children.append(self._nats_child)
+        if self._gateway is not None:
+            children.append(self._gateway)
+        children.extend(self._workers)
+        return children
+
+    def _tick(self) -> None:
+        """Notice children that died and restart those whose backoff has passed."""
+        for child in self._children():
+            if self._stop:
+                return
+            now = time.monotonic()
+            if child.restart_at is None:
+                code = child.poll()
+                if code is not None:
+                    self._on_exit(child, code, now)
+            elif now >= child.restart_at:
+                self._restart(child)
+
+    def _on_exit(self, child: Child, code: int, now: float) -> None:
+        child.clean_up_exited()
+        uptime = now - child.started_at
+        delay = child.backoff.after_exit(uptime)
+        child.restart_at = now + delay
+        reason = describe_exit(code)
+        if child is self._gateway:
+            if _port_in_use(self.options.host, self.options.port):
+                self._gateway_bind_failures += 1
+                reason += f"; its port {self.options.host}:{self.options.port} is in use"
+                if self._gateway_bind_failures >= GATEWAY_BIND_ATTEMPTS:
+                    self._fatal = (
+                        f"the gateway cannot bind {self.options.host}:{self.options.port}: "
+                        f"another process holds it ({self._gateway_bind_failures} attempts)"
+                    )
+                    return
+            else:
+                self._gateway_bind_failures = 0
+        print(
+            f"shoal up: {child.name} (pid {child.pid}) {reason} after {uptime:.1f} s; "
+            f"restarting in {delay:g} s",
+            flush=True,
+        )
+
+    def _restart(self, child: Child) -> None:
+        try:
+            child.start()
+        except Exception as err:  # any failed start is retried after a backoff
+            delay = child.backoff.after_exit(0.0)
+            child.restart_at = time.monotonic() + delay
+            print(
+                f"shoal up: {child.name} failed to start ({err}); retrying in {delay:g} s",
+                flush=True,
+            )
+            return
+        where = f" on {self.nats_url}" if isinstance(child, NatsChild) else ""
+        print(f"shoal up: {child.name} restarted (pid {child.pid}){where}", flush=True)
 
     async def _prepare_queue(self) -> None:
         nc = await connect(self.nats_url, name="shoal-up")
@@ -134,57 +328,89 @@ class Supervisor:
             [sys.executable, "-m", "shoal", *args, "--nats", self.nats_url],
             env={**os.environ, **(env or {})},
             preexec_fn=child_preexec,
+            # Its own process group: a terminal's Ctrl-C reaches only `shoal up`, which then
+            # stops the children in order (workers drain while the gateway and NATS still run).
+            process_group=0,
         )
 
-    def _wait_ready(self, gateway_url: str) -> bool:
+    def _wait_ready(self) -> bool:
+        """Until the gateway's /readyz is 200 and counts every worker READY for the model,
+        restarting whatever dies meanwhile.
+
+        "Is up" is the gateway's own readiness (a probe and `shoal up` agree), plus a count:
+        before the workers first report, no model is pinned yet and /readyz alone says 200.
+        """
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline and not self._stop:
-            assert self.gateway is not None
-            if self.gateway.poll() is not None:
-                print(f"the gateway exited with {self.gateway.returncode}", file=sys.stderr)
+            self._tick()
+            if self._fatal:
+                print(f"shoal up: {self._fatal}", file=sys.stderr)
                 return False
-            if any(w.poll() is not None for w in self.workers):
-                print("a worker exited while starting", file=sys.stderr)
-                return False
-            if _http_ok(f"{gateway_url}/readyz") and asyncio.run(self._ready_workers()) >= len(
-                self.workers
-            ):
-                return True
-            time.sleep(0.2)
+            if self._all_running():
+                ready = _ready_workers(f"{self.gateway_url}/readyz", self.options.model.name)
+                if ready >= len(self._workers):
+                    return True
+            time.sleep(TICK_S)
         if not self._stop:
             print(f"the cluster was not ready within {READY_TIMEOUT_S:g} s", file=sys.stderr)
         return False
 
-    async def _ready_workers(self) -> int:
-        pids = {w.pid for w in self.workers}
-        nc = await connect(self.nats_url, name="shoal-up-wait")
-        try:
-            statuses = await read_worker_statuses(nc.jetstream())
-        finally:
-            await nc.close()
-        return sum(1 for s in statuses if s.pid in pids and s.state == WorkerState.READY)
+    def _all_running(self) -> bool:
+        return all(c.restart_at is None and c.poll() is None for c in self._children())
 
     def stop(self) -> None:
-        """Workers first (they drain), then the gateway, then NATS; nothing is left running."""
-        for group in (self.workers, [self.gateway] if self.gateway else []):
-            for process in group:
-                if process.poll() is None:
-                    process.send_signal(signal.SIGTERM)
+        """Workers first (they drain), then the gateway, then NATS; nothing is left running.
+
+        Runs on the main thread after the loop, so no restart can start a child meanwhile.
+        """
+        self._stop = True
+        for group in (self._workers, [self._gateway] if self._gateway else []):
+            for child in group:
+                if child.process is not None and child.process.poll() is None:
+                    child.process.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + STOP_TIMEOUT_S
-            for process in group:
-                try:
-                    process.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+            for child in group:
+                child.stop_wait(deadline)
         if self.nats is not None:
             self.nats.stop()
         remove_cluster_info(os.getpid())
 
 
-def _http_ok(url: str) -> bool:
+def describe_exit(code: int) -> str:
+    """'was killed by SIGKILL' for a negative status, else 'exited with code N'."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _kill_group(pgid: int) -> None:
+    # The usual case is that nothing of it is left.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    """Whether another socket listens on host:port (connections in TIME_WAIT do not count)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def _ready_workers(readyz_url: str, model: str) -> int:
+    """How many READY workers the gateway's /readyz counts for `model`; 0 unless it is 200."""
     try:
-        with urllib.request.urlopen(url, timeout=1) as response:
-            return response.status == 200
-    except OSError:
-        return False
+        with urllib.request.urlopen(readyz_url, timeout=1) as response:
+            if response.status != 200:
+                return 0
+            counts = json.loads(response.read()).get("ready_workers", {})
+    except (OSError, ValueError, AttributeError):  # not up, not ready (503), or not JSON
+        return 0
+    ready = counts.get(model, 0) if isinstance(counts, dict) else 0
+    return ready if isinstance(ready, int) else 0

@@ -13,6 +13,9 @@ from pathlib import Path
 
 from shoal.process import child_preexec
 
+# How much of nats-server's log an error message quotes.
+_LOG_TAIL_BYTES = 2000
+
 
 def find_nats_server() -> str:
     """The nats-server binary: next to this Python (where the wheel puts it), else on PATH."""
@@ -26,10 +29,16 @@ def find_nats_server() -> str:
 
 
 class EmbeddedNats:
-    """A nats-server child process on 127.0.0.1 and a free port, JetStream on.
+    """A nats-server child process on 127.0.0.1, JetStream on.
 
-    `store_dir` keeps JetStream state (queued work survives a restart); without one a
-    temporary directory is used and removed on stop.
+    `port=-1` (the default) lets the first start pick a free port; every later `start()` or
+    `restart()` uses the port that first start got, so clients reconnecting to the same URL find
+    the new server. `store_dir` keeps JetStream state (streams, consumers and their messages come
+    back after a restart, even one after SIGKILL); without one a temporary directory is used,
+    kept across restarts and removed on `stop()`.
+
+    The server runs in its own process group, so a Ctrl-C meant for its parent (which stops its
+    clients first) does not reach it; it still gets SIGTERM if its parent dies.
     """
 
     def __init__(self, store_dir: Path | None = None, port: int = -1, host: str = "127.0.0.1"):
@@ -39,11 +48,33 @@ class EmbeddedNats:
         self.host = host
         self.url = ""
         self._process: subprocess.Popen[bytes] | None = None
-        self._ports_dir: Path | None = None
+        # Ports file and log of this server, across restarts; removed on stop().
+        self._run_dir: Path | None = None
 
     def start(self, timeout: float = 10.0) -> str:
+        """Start the server (on the port an earlier start got, if any) and return its URL.
+
+        Raises RuntimeError if nats-server exits while starting (a port in use, a bad store) and
+        TimeoutError if it does not accept connections within `timeout`.
+        """
+        if self.running:
+            raise RuntimeError(f"nats-server is already running (pid {self.pid})")
+        first = self._run_dir is None
+        try:
+            return self._start(timeout)
+        except BaseException:
+            if first:
+                self.stop()
+            raise
+
+    def _start(self, timeout: float) -> str:
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        self._ports_dir = Path(tempfile.mkdtemp(prefix="shoal-nats-ports-"))
+        if self._run_dir is None:
+            self._run_dir = Path(tempfile.mkdtemp(prefix="shoal-nats-run-"))
+        ports_dir = self._run_dir / "ports"
+        # A server killed with SIGKILL leaves its ports file behind: start from an empty folder.
+        shutil.rmtree(ports_dir, ignore_errors=True)
+        ports_dir.mkdir()
         command = [
             find_nats_server(),
             "-js",
@@ -54,25 +85,36 @@ class EmbeddedNats:
             "-sd",
             str(self.store_dir),
             "--ports_file_dir",
-            str(self._ports_dir),
+            str(ports_dir),
         ]
-        self._process = subprocess.Popen(
-            command,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            preexec_fn=child_preexec,
-        )
-        self.url = self._wait_for_url(timeout)
+        # Its log goes to a file, not a pipe nobody reads: a full pipe would block the server.
+        with self.log_path.open("ab") as log:
+            self._process = subprocess.Popen(
+                command,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                preexec_fn=child_preexec,
+                process_group=0,
+            )
+        self.url = self._wait_for_url(ports_dir, timeout)
+        # Later starts reuse this port, so every client's reconnect finds the new server.
+        self.port = int(self.url.rpartition(":")[2])
         return self.url
 
-    def _wait_for_url(self, timeout: float) -> str:
-        assert self._process is not None and self._ports_dir is not None
+    def restart(self, timeout: float = 10.0) -> str:
+        """Stop the server if it still runs and start it again: same port, same store."""
+        self._terminate()
+        return self.start(timeout)
+
+    def _wait_for_url(self, ports_dir: Path, timeout: float) -> str:
+        assert self._process is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                err = self._process.stderr.read().decode() if self._process.stderr else ""
-                raise RuntimeError(f"nats-server exited with {self._process.returncode}: {err}")
-            for ports_file in self._ports_dir.glob("*.ports"):
+                code = self._process.returncode
+                self._process = None
+                raise RuntimeError(f"nats-server exited with {code}: {self.log_tail()}")
+            for ports_file in ports_dir.glob("*.ports"):
                 try:
                     url = json.loads(ports_file.read_text())["nats"][0]
                 except (ValueError, KeyError, IndexError):
@@ -80,10 +122,10 @@ class EmbeddedNats:
                 if _accepts_connections(url):
                     return url
             time.sleep(0.01)
-        self.stop()
+        self._terminate()
         raise TimeoutError(f"nats-server did not start within {timeout} s")
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def _terminate(self, timeout: float = 10.0) -> None:
         if self._process is not None and self._process.poll() is None:
             self._process.terminate()
             try:
@@ -92,14 +134,45 @@ class EmbeddedNats:
                 self._process.kill()
                 self._process.wait()
         self._process = None
-        if self._ports_dir is not None:
-            shutil.rmtree(self._ports_dir, ignore_errors=True)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the server and remove its run folder (and the store, if it is a temporary one)."""
+        self._terminate(timeout)
+        if self._run_dir is not None:
+            shutil.rmtree(self._run_dir, ignore_errors=True)
+            self._run_dir = None
         if self._own_tmp:
             shutil.rmtree(self.store_dir, ignore_errors=True)
+
+    def poll(self) -> int | None:
+        """None while the server runs; else its exit status (negative: the signal that ended it).
+
+        Also None when it was never started or was stopped.
+        """
+        return self._process.poll() if self._process is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
 
     @property
     def pid(self) -> int | None:
         return self._process.pid if self._process else None
+
+    @property
+    def log_path(self) -> Path:
+        """nats-server's stderr, every start appended (valid until `stop()`)."""
+        assert self._run_dir is not None, "not started"
+        return self._run_dir / "nats-server.log"
+
+    def log_tail(self) -> str:
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(0, 2)
+                log.seek(max(0, log.tell() - _LOG_TAIL_BYTES))
+                return log.read().decode(errors="replace").strip()
+        except (OSError, AssertionError):
+            return ""
 
     def __enter__(self) -> EmbeddedNats:
         self.start()

@@ -4,6 +4,7 @@
     PUT    /admin/models/{name}   deploy: {"runtime", "source", "task", "options"} (a built-in
                                   name needs no fields); 200 with the spec written
     DELETE /admin/models/{name}   undeploy; 404 if there is no such deployment
+    /admin/dlq...                 the dead-letter queue (gateway/admin_dlq.py)
 
 Every call needs `Authorization: Bearer <admin token>` (`--admin-token` or
 `SHOAL_ADMIN_TOKEN`). A gateway started without a token refuses every admin call (403): the
@@ -21,11 +22,13 @@ from shoal.api.admin import AdminList, Deleted, DeployRequest, parse_deploy_requ
 from shoal.api.errors import ApiError
 from shoal.catalog import resolve_model
 from shoal.config import QueueSettings
+from shoal.gateway.admin_dlq import handle_dlq_admin, is_dlq_path
 from shoal.protocol import ModelSpec, encode_json
 from shoal.state.deployments import DeploymentError, deploy, lora_spec, undeploy
 from shoal.state.fleet import model_views
 
-PREFIX = "/admin/models"
+PREFIX = "/admin"  # every admin route is under it (the gateway routes these here)
+MODELS_PREFIX = "/admin/models"
 
 
 def check_token(headers: list[tuple[bytes, bytes]], token: str) -> None:
@@ -48,12 +51,16 @@ async def handle_admin(
     method: str, path: str, body: bytes, js: JetStreamContext, queue: QueueSettings
 ) -> tuple[int, bytes]:
     """Run one admin call (the token was checked); returns (status, JSON body)."""
-    if path == PREFIX:
+    if is_dlq_path(path):
+        return await handle_dlq_admin(method, path, js)
+    if path != MODELS_PREFIX and not path.startswith(MODELS_PREFIX + "/"):
+        raise ApiError(404, f"Unknown path {path}")
+    if path == MODELS_PREFIX:
         if method != "GET":
             raise ApiError(405, f"Method {method} is not allowed on {path}")
         views = await model_views(js)
         return 200, encode_json(AdminList(views))
-    name = unquote(path.removeprefix(PREFIX + "/"))
+    name = unquote(path.removeprefix(MODELS_PREFIX + "/"))
     if method == "PUT":
         request = parse_deploy_request(body)
         try:

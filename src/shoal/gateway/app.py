@@ -24,14 +24,27 @@ from shoal.api.errors import ApiError
 from shoal.api.models import encode_model_list
 from shoal.broker.connection import connect
 from shoal.broker.jetstream import ensure_work_stream
-from shoal.broker.publish import PublishError, QueueFullError, publish_work
+from shoal.broker.publish import (
+    PublishError,
+    QueueFullError,
+    QueueUnavailableError,
+    publish_work,
+)
 from shoal.config import GatewaySettings
 from shoal.gateway.admin import PREFIX as ADMIN_PREFIX
 from shoal.gateway.admin import check_token, handle_admin
+from shoal.gateway.auth import auth_for
 from shoal.gateway.committer import GroupCommitter
+from shoal.gateway.openapi import load_document
+from shoal.gateway.readiness import Readiness
 from shoal.gateway.replies import ReplyRouter
 from shoal.gateway.routing import estimate_tokens, read_routing_fields
-from shoal.gateway.streaming import ClientGone, StreamRelay, next_or_gone, wait_for_disconnect
+from shoal.gateway.streaming import (
+    ClientGone,
+    LateDisconnectWatch,
+    StreamRelay,
+    wait_for_disconnect,
+)
 from shoal.observability.metrics import GatewayMetrics
 from shoal.protocol import (
     Endpoint,
@@ -39,6 +52,7 @@ from shoal.protocol import (
     Task,
     WorkRequest,
     cancel_subject,
+    encode_json,
     now_ms,
     reply_subject,
     work_subject,
@@ -54,6 +68,11 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 _JSON = (b"content-type", b"application/json")
 _TEXT = (b"content-type", b"text/plain; version=0.0.4; charset=utf-8")
 _CLIENT_CLOSED = 499  # nginx's status for "client closed request": metrics only
+# A request that waits longer than this for its result starts watching for its client's
+# disconnect (gateway/streaming.py, LateDisconnectWatch).
+DISCONNECT_WATCH_AFTER_S = 0.2
+# Answered before the body was read to its end: the connection cannot carry another request.
+_UNREAD_BODY = (408, 413)
 _ROUTE_OF_TASK = {
     Task.EMBEDDINGS: "/v1/embeddings",
     Task.GENERATE: "/v1/chat/completions",
@@ -71,10 +90,18 @@ class Gateway:
         self.replies = ReplyRouter(reply_subject(self.gateway_id), self.metrics.dropped_replies.inc)
         self.committer = GroupCommitter(self.replies.subject, self._publish)
         self.directory = ModelDirectory()
+        self.readiness = Readiness(self.directory)
+        # Done the moment the connection to NATS drops (a new one after each reconnect):
+        # a publish waiting for its acknowledgement gives up then, instead of timing out.
+        self._lost: asyncio.Future[None] | None = None
+        self._rewatch: asyncio.Task[None] | None = None
+        # None when API keys are not checked (loopback by default, or --no-auth).
+        self.auth = auth_for(settings.api_keys, settings.host)
         self._nc: Client | None = None
         self._js = None
         self._ready = asyncio.Event()
         self._connect_task: asyncio.Task[None] | None = None
+        self._openapi_document = load_document()  # static: built from shoal.api's types
         self._routes: dict[tuple[str, str], Callable[[Scope, Receive, Send], Awaitable[None]]] = {
             ("POST", "/v1/embeddings"): partial(self._inference, Endpoint.EMBEDDINGS),
             ("POST", "/v1/completions"): partial(self._inference, Endpoint.COMPLETIONS),
@@ -84,6 +111,7 @@ class Gateway:
             ("GET", "/healthz"): self._healthz,
             ("GET", "/readyz"): self._readyz,
             ("GET", "/metrics"): self._metrics,
+            ("GET", "/openapi.json"): self._openapi,
         }
         self._paths = {path for _, path in self._routes}
 
@@ -96,25 +124,72 @@ class Gateway:
         if self._connect_task is not None:
             self._connect_task.cancel()
         await self.directory.stop()
+        await self.readiness.stop()
+        if self.auth is not None:
+            await self.auth.stop()
         if self._nc is not None and not self._nc.is_closed:
             await self._nc.close()
 
     async def _connect(self) -> None:
         while True:
             try:
-                nc = await connect(self.settings.nats_url, name=f"shoal-gateway-{self.gateway_id}")
+                nc = await connect(
+                    self.settings.nats_url,
+                    name=f"shoal-gateway-{self.gateway_id}",
+                    on_disconnect=self._on_nats_lost,
+                    on_reconnect=self._on_nats_back,
+                )
                 js = nc.jetstream()
                 await ensure_work_stream(js, self.settings.queue)
                 await self.replies.start(nc)
                 await self.directory.start(js)
                 await self.directory.loaded.wait()
+                await self.readiness.start(js)
+                if self.auth is not None:  # ready only once the keys are held
+                    await self.auth.start(js)
             except Exception as err:
                 log.warning("gateway cannot reach NATS at %s yet: %s", self.settings.nats_url, err)
                 await asyncio.sleep(1.0)
                 continue
             self._nc, self._js = nc, js
+            self._lost = asyncio.get_running_loop().create_future()
             self._ready.set()
             return
+
+    async def _on_nats_lost(self) -> None:
+        """The connection dropped: everyone waiting is told to retry now, not at the deadline.
+
+        A reply published while this gateway's subscription is gone is lost, so waiting on
+        would end in a 504; the work itself is safe in the stream (or was never stored).
+        """
+        if not self._ready.is_set():
+            return  # a connection still being set up: nothing waits on it
+        if self._lost is not None and not self._lost.done():
+            self._lost.set_result(None)
+        lost = ApiError(503, "The connection to the queue (NATS) was lost; retry", retry_after=1)
+        failed = self.replies.fail_all(lost)
+        if failed:
+            log.warning("NATS connection lost: answered %d waiting request(s) with 503", failed)
+
+    async def _on_nats_back(self) -> None:
+        """Reconnected: watch the worker reports again, from their current values.
+
+        The watch's consumer may have gone with the server; rewatching now beats waiting for
+        its missed heartbeats to notice (readiness would lag by up to 10 s). In a task: this
+        runs inside nats.py's reconnect, which must not wait on JetStream requests.
+        """
+        self._lost = asyncio.get_running_loop().create_future()
+        if self._js is not None and self._ready.is_set():
+            self._rewatch = asyncio.create_task(self._restart_readiness(self._js))
+
+    async def _restart_readiness(self, js) -> None:
+        while self._nc is not None and self._nc.is_connected:
+            try:
+                await self.readiness.start(js)
+                return
+            except Exception as err:  # JetStream may still be recovering its state
+                log.warning("watching worker reports after a reconnect failed: %s", err)
+                await asyncio.sleep(0.5)
 
     # -- ASGI ----------------------------------------------------------------------------
 
@@ -157,14 +232,19 @@ class Gateway:
         model_label = "-"  # only deployed names become labels, so the label set stays bounded
         status = 500
         try:
-            body = await _read_body(receive, self.settings.max_body_bytes)
+            # The key is checked on the headers alone: no body is read for a refused request.
+            auth = self.auth
+            key_id = auth.authenticate(scope["headers"]) if auth is not None else None
+            body = await _read_body(receive, self.settings)
             fields = read_routing_fields(body)
+            if auth is not None and key_id is not None:
+                # Before the deployment check, so a model outside the allowlist gets the
+                # same 404 whether it exists or not.
+                auth.authorize(key_id, fields.model)
             self._check_model(fields.model, endpoint)
             model_label = fields.model
-            if endpoint in (Endpoint.EMBEDDINGS, Endpoint.RERANK):  # never streamed
-                status, payload = await self._dispatch(fields.model, endpoint, body)
-                await _respond(send, status, payload)
-            elif fields.stream:
+            # Embeddings and rerank are never streamed.
+            if fields.stream and endpoint not in (Endpoint.EMBEDDINGS, Endpoint.RERANK):
                 status = await self._stream(fields.model, endpoint, body, receive, send)
             else:
                 status, payload = await self._dispatch(fields.model, endpoint, body, receive)
@@ -217,24 +297,22 @@ class Gateway:
         return js
 
     async def _dispatch(
-        self, model: str, endpoint: Endpoint, body: bytes, receive: Receive | None = None
+        self, model: str, endpoint: Endpoint, body: bytes, receive: Receive
     ) -> tuple[int, bytes]:
         """Queue one request and wait for its result; returns (HTTP status, response body).
 
-        With `receive`, a client that disconnects while waiting cancels the request.
+        A client that disconnects while waiting cancels the request: its work is dropped
+        before it runs, or stopped at the next step of a generation.
         """
         request_id = uuid.uuid4().hex
         timeout_s = self.settings.request_timeout_s
         future = self.replies.expect(request_id)
-        disconnected = asyncio.create_task(wait_for_disconnect(receive)) if receive else None
+        watch = LateDisconnectWatch(receive, future, DISCONNECT_WATCH_AFTER_S)
         try:
             await self._queue(
                 model, endpoint, self._work_request(request_id, endpoint, body, False)
             )
-            if disconnected is None:
-                reply = await asyncio.wait_for(future, timeout_s)
-            else:
-                reply = await next_or_gone(future, disconnected, timeout_s)
+            reply = await asyncio.wait_for(future, timeout_s)
         except TimeoutError:
             raise ApiError(504, f"No result within {timeout_s:g} s", code="timeout") from None
         except ClientGone:
@@ -242,8 +320,7 @@ class Gateway:
             raise
         finally:
             self.replies.forget(request_id)
-            if disconnected is not None:
-                disconnected.cancel()
+            watch.close()
         return reply.status, reply.body
 
     async def _stream(
@@ -253,7 +330,7 @@ class Gateway:
         request_id = uuid.uuid4().hex
         queue = self.replies.expect_stream(request_id)
         disconnected = asyncio.create_task(wait_for_disconnect(receive))
-        relay = StreamRelay(queue, send, disconnected)
+        relay = StreamRelay(queue, _retry_after_on_503(send), disconnected)
         try:
             await self._queue(model, endpoint, self._work_request(request_id, endpoint, body, True))
             settings = self.settings
@@ -280,7 +357,9 @@ class Gateway:
         """Publish one work envelope (the committer's publish); ApiError if it was refused."""
         js = self._connected_js()
         try:
-            await publish_work(js, subject, payload, {Header.MSG_ID: envelope_id})
+            await self._unless_lost(
+                publish_work(js, subject, payload, {Header.MSG_ID: envelope_id})
+            )
         except QueueFullError:
             raise ApiError(
                 429,
@@ -294,12 +373,33 @@ class Gateway:
                 503, f"The queue did not take the request: {err}", retry_after=retry_after
             ) from None
 
+    async def _unless_lost(self, work: Awaitable[None]) -> None:
+        """Await `work`, unless the connection to NATS drops first: QueueUnavailableError.
+
+        Whether a publish cut off this way was stored is unknown; its client is told to retry
+        (the worker's result for it, if any, is dropped as late).
+        """
+        lost = self._lost
+        if lost is None or lost.done():
+            await work
+            return
+        task = asyncio.ensure_future(work)
+        await asyncio.wait((task, lost), return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            raise QueueUnavailableError("the connection to the queue (NATS) was lost")
+        task.result()
+
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await _respond(send, 200, encode_model_list(self.directory.all()))
+        specs = self.directory.all()
+        auth = self.auth
+        if auth is not None:  # a key sees the models it may use
+            specs = auth.visible(auth.authenticate(scope["headers"]), specs)
+        await _respond(send, 200, encode_model_list(specs))
 
     async def _admin(self, scope: Scope, receive: Receive, send: Send) -> None:
         check_token(scope["headers"], self.settings.admin_token)
-        body = await _read_body(receive, self.settings.max_body_bytes)
+        body = await _read_body(receive, self.settings)
         js = self._connected_js()
         status, payload = await handle_admin(
             scope["method"], scope["path"], body, js, self.settings.queue
@@ -310,29 +410,67 @@ class Gateway:
         await _respond(send, 200, b'{"status":"ok"}')
 
     async def _readyz(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self._ready.is_set() and self._nc is not None and self._nc.is_connected:
-            await _respond(send, 200, b'{"status":"ready"}')
-        else:
-            raise ApiError(503, "Not connected to the queue (NATS) yet", retry_after=1)
+        """200 only when this gateway can serve: connected, deployments read, and every pinned
+        model with a READY worker (gateway/readiness.py; from memory, no NATS round trip)."""
+        if not (self._ready.is_set() and self._nc is not None and self._nc.is_connected):
+            raise ApiError(503, "Not connected to the queue (NATS)", retry_after=1)
+        ready_workers = self.readiness.ready_workers()
+        missing = sorted(model for model, ready in ready_workers.items() if not ready)
+        if missing:
+            raise ApiError(
+                503,
+                f"No ready worker for the pinned model(s) {', '.join(missing)}",
+                code="no_ready_worker",
+                retry_after=1,
+            )
+        await _respond(send, 200, encode_json({"status": "ready", "ready_workers": ready_workers}))
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         await _respond(send, 200, self.metrics.render(), content_type=_TEXT)
 
+    async def _openapi(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await _respond(send, 200, self._openapi_document)
 
-async def _read_body(receive: Receive, limit: int) -> bytes:
+
+async def _read_body(receive: Receive, settings: GatewaySettings) -> bytes:
+    """The whole body: 413 past `max_body_bytes`, 408 when it takes longer than its timeout.
+
+    Neither server times out a body that trickles in (uvicorn times out only idle keep-alive
+    connections, granian only headers), so a slow client would hold its connection forever.
+    """
+    limit, timeout_s = settings.max_body_bytes, settings.http_timeouts.body_s
     chunks: list[bytes] = []
     size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ApiError(400, "The client disconnected before sending the body")
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"The request body is larger than the limit of {limit} bytes")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ApiError(400, "The client disconnected before sending the body")
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(
+                        413, f"The request body is larger than the limit of {limit} bytes"
+                    )
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    except TimeoutError:
+        raise ApiError(
+            408, f"The request body did not arrive within {timeout_s:g} s", code="body_timeout"
+        ) from None
+
+
+def _retry_after_on_503(send: Send) -> Send:
+    """`send`, adding Retry-After to a 503 (a stream failed because NATS went away)."""
+
+    async def wrapped(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start" and message["status"] == 503:
+            message = {**message, "headers": [*message["headers"], (b"retry-after", b"1")]}
+        await send(message)
+
+    return wrapped
 
 
 async def _respond(
@@ -351,4 +489,6 @@ async def _respond_error(send: Send, err: ApiError) -> None:
     extra = []
     if err.retry_after is not None:
         extra.append((b"retry-after", str(max(1, round(err.retry_after))).encode()))
+    if err.status in _UNREAD_BODY:
+        extra.append((b"connection", b"close"))
     await _respond(send, err.status, err.body(), extra_headers=extra)

@@ -14,6 +14,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from shoal.api.errors import ApiError
 from shoal.protocol import Result, decode_results
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,28 @@ class ReplyRouter:
     def forget(self, request_id: str) -> None:
         self._waiting.pop(request_id, None)
         self._streams.pop(request_id, None)
+
+    def fail_all(self, error: ApiError) -> int:
+        """Answer every request still waiting with `error`; returns how many there were.
+
+        For when the connection to NATS drops: a reply published meanwhile may never arrive
+        (this subscription is gone until the reconnect replays it), so a waiting client is told
+        now to retry instead of learning it at its deadline. A unary waiter gets `error` raised;
+        a stream gets it as its whole answer (or, once started, as its last event). Results that
+        still come for these ids are dropped as late.
+        """
+        waiting, streams = self._waiting, self._streams
+        self._waiting, self._streams = {}, {}
+        for future in waiting.values():
+            if not future.done():
+                future.set_exception(error)
+                # Marked as seen: a request still publishing when the connection dropped
+                # fails there and never awaits its future.
+                future.exception()
+        body = error.body()
+        for request_id, queue in streams.items():
+            queue.put_nowait(Result(request_id, error.status, body))
+        return len(waiting) + len(streams)
 
     async def _on_reply(self, msg: Msg) -> None:
         try:

@@ -1,11 +1,19 @@
-"""Serving the gateway app over HTTP (uvicorn with uvloop and httptools, or granian)."""
+"""Serving the gateway app over HTTP (uvicorn with uvloop and httptools, or granian).
+
+Both read a request's headers within `HttpTimeouts.header_s` or close the connection; the
+body's timeout is the app's, as the app reads the body (gateway/app.py).
+"""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 from shoal.config import GatewaySettings
 from shoal.gateway.app import Gateway
+from shoal.observability.metrics import MULTIPROCESS_DIR_ENV
 
 HTTP_SERVERS = ("uvicorn", "granian")
 _SETTINGS_ENV = "SHOAL_GATEWAY_SETTINGS_JSON"
@@ -25,40 +33,73 @@ def serve(settings: GatewaySettings) -> None:
 def _serve_uvicorn(settings: GatewaySettings) -> None:
     import uvicorn
 
-    config = uvicorn.Config(
-        Gateway(settings),
-        host=settings.host,
-        port=settings.port,
-        loop="uvloop",
-        http="httptools",
-        lifespan="on",
-        access_log=False,
+    from shoal.gateway.http_protocol import protocol_factory
+
+    options = {
+        "host": settings.host,
+        "port": settings.port,
+        "loop": "uvloop",
+        # httptools, with a header read timeout and a header size limit (http_protocol.py).
+        "http": protocol_factory(settings.http_timeouts.header_s),
+        "ws": "none",  # no WebSocket routes: an upgrade request is an ordinary request
+        "lifespan": "on",
+        "access_log": False,
         # No X-Forwarded-* rewriting: the gateway reads no client address, and the middleware
         # cost ~9 us a request (py-spy, bench.hotpath).
-        proxy_headers=False,
-        log_level="warning",
-        timeout_graceful_shutdown=5,
-    )
-    uvicorn.Server(config).run()
+        "proxy_headers": False,
+        "log_level": "warning",
+        "timeout_graceful_shutdown": 5,
+    }
+    if settings.processes > 1:
+        # uvicorn binds the port once and starts the processes on it; each builds its own
+        # Gateway (own id, own reply subject), and a process that dies is started again.
+        _settings_to_environment(settings)
+        _share_metrics()
+        uvicorn.run(
+            "shoal.gateway.server:app_from_environment",
+            factory=True,
+            workers=settings.processes,
+            **options,
+        )
+        return
+    uvicorn.Server(uvicorn.Config(Gateway(settings), **options)).run()
 
 
 def _serve_granian(settings: GatewaySettings) -> None:
-    import msgspec
     from granian.constants import Interfaces, Loops
+    from granian.http import HTTP1Settings
     from granian.server import Server
 
     # granian imports the app in its own worker: hand it the settings through the environment.
-    os.environ[_SETTINGS_ENV] = msgspec.json.encode(settings).decode()
+    _settings_to_environment(settings)
     Server(
         "shoal.gateway.server:app_from_environment",
         address=settings.host,
         port=settings.port,
         interface=Interfaces.ASGI,
+        http1_settings=HTTP1Settings(
+            header_read_timeout=round(settings.http_timeouts.header_s * 1000)
+        ),
+        workers=settings.processes,
         loop=Loops.uvloop,
         factory=True,
         log_access=False,
         log_enabled=False,
     ).serve()
+
+
+def _share_metrics() -> None:
+    """Counters and histograms of every gateway process in files of one fresh directory
+    (prometheus_client's multiprocess mode), so any process's /metrics shows their sum."""
+    directory = tempfile.mkdtemp(prefix="shoal-gateway-metrics-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    os.environ[MULTIPROCESS_DIR_ENV] = directory
+
+
+def _settings_to_environment(settings: GatewaySettings) -> None:
+    import msgspec
+
+    os.environ[_SETTINGS_ENV] = msgspec.json.encode(settings).decode()
 
 
 def app_from_environment() -> Gateway:

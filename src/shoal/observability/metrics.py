@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
+
+# prometheus_client's own variable: where processes that share one set of metrics write them.
+MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 LATENCY_BUCKETS = (
     0.0005,
@@ -69,6 +80,13 @@ class GatewayMetrics:
         children[1].observe(seconds)
 
     def render(self) -> bytes:
+        """This gateway's metrics; with several gateway processes on one port (their values in
+        prometheus_client's multiprocess directory), the sum over all of them, so that a scrape
+        reaching any one process sees the gateway's totals."""
+        if os.environ.get(MULTIPROCESS_DIR_ENV):
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry)
         return generate_latest(self.registry)
 
 

@@ -38,6 +38,12 @@ class RuntimeRecord:
     adapter_formats: tuple[str, ...] = ()
     # Loaded size as a multiple of the weights on disk, by task (default 1.5).
     memory_factor: dict[Task, float] = field(default_factory=dict)
+    # An engine: a server the worker runs as a child and feeds through the relay scheduler
+    # (worker/schedulers/relay.py); it batches for itself, so it is not profiled in-process.
+    engine: bool = False
+    source_required: bool = True  # an engine's command may name its model itself
+    # "module:function" that checks a spec's options at deploy time (ValueError says why).
+    check_options: str = ""
 
     @property
     def tasks(self) -> tuple[Task, ...]:
@@ -92,6 +98,30 @@ RUNTIME_RECORDS: dict[str, RuntimeRecord] = {
             extra="onnx",
         ),
         RuntimeRecord(
+            name="candle",
+            summary="Hugging Face Candle (candle-pyo3 bindings): BERT sentence-transformers "
+            "embedders, no torch",
+            loaders={Task.EMBEDDINGS: "shoal.runtimes.candle:CandleEmbeddingRuntime"},
+            # The `candle` module comes from the hash-pinned `candle-nn` wheel
+            # (requirements/candle.txt); tokenization from `tokenizers`.
+            requires=("candle", "tokenizers"),
+            extra="candle",
+        ),
+        RuntimeRecord(
+            name="engine",
+            summary="an OpenAI-compatible inference server (vLLM, SGLang, llama.cpp's server, "
+            "TEI, ...) run as a supervised child from its own command line or virtualenv",
+            loaders={
+                Task.GENERATE: "shoal.runtimes.engine:EngineRuntime",
+                Task.EMBEDDINGS: "shoal.runtimes.engine:EngineRuntime",
+            },
+            requires=("httpx",),
+            extra="engine",
+            engine=True,
+            source_required=False,
+            check_options="shoal.runtimes.engine:check_engine_options",
+        ),
+        RuntimeRecord(
             name="sim",
             summary="simulated accelerator (no model runs): scheduling experiments, fast tests",
             loaders={
@@ -126,6 +156,14 @@ def check_runtime(spec: ModelSpec) -> RuntimeRecord:
         served = ", ".join(t.value for t in record.tasks)
         raise ValueError(f"runtime {spec.runtime!r} serves {served}, not {spec.task.value}")
     return record
+
+
+def check_options(spec: ModelSpec) -> None:
+    """ValueError unless the spec's options suit its runtime (for runtimes that check them)."""
+    record = runtime_record(spec.runtime)
+    if record.check_options:
+        module_name, function_name = record.check_options.split(":")
+        getattr(importlib.import_module(module_name), function_name)(spec.options)
 
 
 def load_runtime(spec: ModelSpec) -> Any:

@@ -19,6 +19,8 @@ different texts share a vector with probability 1 / POOL_SIZE.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 import zlib
@@ -76,6 +78,9 @@ class SimEmbeddingRuntime:
         self.batch_seconds = float(options.get("batch_ms", 2.0)) / 1000
         self.token_seconds = float(options.get("token_us", 20.0)) / 1e6
         self.dimensions = int(options.get("dimensions", 384))
+        # Fault injection: a text containing this marker kills the process (SIGKILL, as the
+        # kernel's OOM killer or a segfaulting kernel would), for dead-letter tests.
+        self.crash_on = str(options.get("crash_on", "")).encode()
         self._pool = vector_pool(self.dimensions)  # drawn at load, not in the first batch
 
     def batch_cost_seconds(self, token_counts: list[int]) -> float:
@@ -86,6 +91,8 @@ class SimEmbeddingRuntime:
             raise ValueError("the simulated runtime has no LoRA adapters")
         started = time.perf_counter()
         encoded = [t.encode() for t in texts]
+        if self.crash_on and any(self.crash_on in e for e in encoded):
+            os.kill(os.getpid(), signal.SIGKILL)
         token_counts = [-(-len(e) // 4) + 2 for e in encoded]  # simulated_token_count
         slots = np.fromiter(map(_slot, encoded), dtype=np.intp, count=len(encoded))
         vectors = self._pool[slots]  # a gather makes a fresh, writable array

@@ -27,7 +27,12 @@ from shoal.protocol import (
     is_valid_model_name,
     name_token,
 )
-from shoal.runtimes.registry import RUNTIME_RECORDS, check_adapter_source, check_runtime
+from shoal.runtimes.registry import (
+    RUNTIME_RECORDS,
+    check_adapter_source,
+    check_options,
+    check_runtime,
+)
 from shoal.state.kv import ensure_bucket, read_all, read_value
 
 log = logging.getLogger(__name__)
@@ -61,6 +66,12 @@ def validate_spec(spec: ModelSpec) -> None:
         raise DeploymentError(
             f"runtime {spec.runtime!r} is not installed here: pip install 'shoal[{record.extra}]'"
         )
+    try:
+        check_options(spec)  # e.g. an engine's command: found here, or refused now
+    except ValueError as err:
+        raise DeploymentError(str(err)) from None
+    if not spec.source and not record.source_required:
+        return
     if not spec.source:
         raise DeploymentError(f"runtime {spec.runtime!r} needs a source: a path or package:NAME")
     if spec.source.startswith("package:"):

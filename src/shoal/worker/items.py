@@ -26,6 +26,7 @@ class WorkMessage:
     msg: Any
     unanswered: int
     deliveries: int = 1
+    stream_seq: int = 0  # its sequence in the work stream (dead letters and attempts use it)
 
     def answered_one(self) -> bool:
         """Count one answer; True when it was the last (time to ack)."""
@@ -48,6 +49,9 @@ class WorkItem:
     stream: bool = False
     deliveries: int = 1
     adapter: str | None = None  # the LoRA deployment it was sent to, served by its base
+    # Running alone when a worker stopped on an earlier delivery (state/attempts.py): it
+    # runs after every other suspect item, so they are answered before it can crash again.
+    culprit: bool = False
 
     @classmethod
     def from_request(
@@ -94,6 +98,18 @@ def deliveries_of(reply_subject: str | None) -> int:
         return 1
 
 
+def stream_seq_of(reply_subject: str | None) -> int:
+    """A message's sequence in its stream, read from its ack subject (0 if unknown)."""
+    if not reply_subject:
+        return 0
+    tokens = reply_subject.split(".")
+    index = 5 if len(tokens) == 9 else 7
+    try:
+        return int(tokens[index])
+    except (IndexError, ValueError):
+        return 0
+
+
 @dataclass(slots=True)
 class Reply:
     """What goes back to the gateway for one work item: an HTTP status and a ready body."""
@@ -115,18 +131,53 @@ class BatchOutcome:
     texts: int  # texts (or pairs) the runtime ran
 
 
+# From this delivery on, each request of a redelivered message runs alone (with an attempt
+# record): by then a worker stopped twice while holding it, so one of its requests may crash
+# the runtime, and alone it takes nobody else down.
+RUN_ALONE_FROM_DELIVERY = 3
+
+
 def take_batch(pending: deque[WorkItem], max_items: int, max_tokens: int) -> list[WorkItem]:
     """Take items from the front of `pending` while they fit the item and token budgets.
 
     The first item is always taken, even when it alone exceeds the token budget, so that a
     large request is run on its own instead of waiting forever. Order is kept (FIFO).
+
+    Redelivered items (their worker died or hung holding them) never share a batch with
+    others, so a request that crashes the runtime takes as few others down with it as can
+    be: on its second delivery a message's requests run as a batch of their own, from the
+    third on each runs alone, and a known culprit only once no other redelivered item waits.
     """
+    if pending and pending[0].deliveries > 1:
+        return _take_redelivered(pending, max_items, max_tokens)
     batch: list[WorkItem] = []
     tokens = 0
     while pending and len(batch) < max_items:
+        if pending[0].deliveries > 1:
+            break  # it waits for a batch of its own
         cost = pending[0].cost
         if batch and tokens + cost > max_tokens:
             break
         batch.append(pending.popleft())
         tokens += cost
+    return batch
+
+
+def _take_redelivered(pending: deque[WorkItem], max_items: int, max_tokens: int) -> list[WorkItem]:
+    """The batch for the redelivered item at the front of `pending` (see `take_batch`)."""
+    if pending[0].culprit and any(item.deliveries > 1 and not item.culprit for item in pending):
+        # Move culprits behind the other redelivered items, keeping everyone else's order.
+        kept = [item for item in pending if not item.culprit]
+        culprits = [item for item in pending if item.culprit]
+        pending.clear()
+        pending.extend(kept + culprits)
+        if pending[0].deliveries <= 1:
+            return take_batch(pending, max_items, max_tokens)
+    head = pending.popleft()
+    batch = [head]
+    if head.deliveries >= RUN_ALONE_FROM_DELIVERY or head.culprit:
+        return batch
+    # Second delivery: its own message's requests together, nobody else's.
+    while pending and len(batch) < max_items and pending[0].message is head.message:
+        batch.append(pending.popleft())
     return batch

@@ -16,6 +16,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import msgspec
 from nats.aio.client import Client
@@ -26,13 +27,29 @@ from shoal.broker.jetstream import ensure_model_consumer
 from shoal.broker.puller import Puller
 from shoal.config import WorkerSettings
 from shoal.observability.metrics import BusyMeter, WorkerMetrics
-from shoal.protocol import WORK_STREAM, ModelSpec, Task, cancel_subject, decode_envelope, now_ms
+from shoal.protocol import (
+    WORK_STREAM,
+    ModelSpec,
+    Task,
+    WorkEnvelope,
+    cancel_subject,
+    decode_envelope,
+    now_ms,
+)
 from shoal.runtimes.base import AdapterHost
 from shoal.runtimes.registry import is_simulated, load_runtime, runtime_record
+from shoal.state.attempts import ensure_attempts_kv
 from shoal.state.workers import WorkerState, WorkerStatus, put_status
-from shoal.worker.items import WorkItem, WorkMessage, deliveries_of
+from shoal.worker.items import (
+    RUN_ALONE_FROM_DELIVERY,
+    WorkItem,
+    WorkMessage,
+    deliveries_of,
+    stream_seq_of,
+)
 from shoal.worker.outbox import Outbox
-from shoal.worker.profiling import BatchBudget, tuned_budget
+from shoal.worker.poison import AttemptRecorder, DeadLetterer
+from shoal.worker.profiling import BatchBudget, ProfileAudit, reprofile, tuned_budget
 from shoal.worker.schedulers.base import Scheduler, SchedulerContext
 from shoal.worker.schedulers.batch import BatchScheduler, batch_handler
 from shoal.worker.schedulers.continuous import ContinuousScheduler
@@ -81,6 +98,7 @@ class ModelServer:
         self._simulated = is_simulated(spec.runtime)
         self.metrics = WorkerMetrics(spec.name, spec.runtime, self._simulated)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"shoal-{spec.name}")
+        self._reprofiling: asyncio.Task[None] | None = None
         self._busy = BusyMeter()
         self._runtime = None
         self._scheduler: Scheduler | None = None
@@ -94,6 +112,10 @@ class ModelServer:
         self.quality: dict[str, float] = {}
         self._items_per_message = 1.0  # moving average of requests per pulled message
         self._background_tasks: set[asyncio.Task] = set()
+        # Poison messages (worker/poison.py): attempt records and dead letters.
+        self._recorder: AttemptRecorder | None = None
+        self._dead_letterer: DeadLetterer | None = None
+        self._dead_letter_subs: dict[str, Any] = {}
 
     # -- life cycle ------------------------------------------------------------------------
 
@@ -116,7 +138,14 @@ class ModelServer:
         # A simulated model declares its footprint; a real one is measured.
         declared = spec.options.get("memory_mb") if self._simulated else None
         self.memory_mb = float(declared) if declared is not None else max(0.0, _rss_mb() - before)
-        if not settings.max_batch_items:
+        engine = runtime_record(spec.runtime).engine
+        if engine:  # a server child: its memory is its own; it batches for itself
+            from shoal.worker.schedulers.relay import DEFAULT_CONCURRENCY  # imports httpx
+
+            self.memory_mb = runtime.memory_mb()
+            limit = runtime.concurrency or settings.max_batch_items or DEFAULT_CONCURRENCY
+            self.budget = BatchBudget(limit, settings.max_batch_tokens)
+        elif not settings.max_batch_items:
             self.budget = await tuned_budget(
                 js,
                 spec,
@@ -135,7 +164,15 @@ class ModelServer:
             self._busy,
             profiled_latency_s=self.budget.latency_s,
         )
+        if not settings.max_batch_items and spec.task is not Task.GENERATE and not engine:
+            self._ctx.audit = ProfileAudit(self.budget.latency_s)
+            self._ctx.on_profile_contradicted = self._reprofile_soon
+        attempts = await ensure_attempts_kv(js)
+        self._recorder = AttemptRecorder(attempts, self.worker_id, loop)
+        self._dead_letterer = DeadLetterer(self.nc, self._ctx.outbox, attempts)
         self._scheduler = self._make_scheduler(runtime)
+        # Before the first pull: pulling is what makes JetStream give up on a message.
+        self._dead_letter_subs[spec.name] = await self._dead_letterer.watch(consumer, spec.name)
         self._cancels = await self.nc.subscribe(cancel_subject(spec.name), cb=self._on_cancel)
         self._puller = Puller(self.nc, WORK_STREAM, consumer, self._on_message)
         await self._puller.start()
@@ -148,8 +185,44 @@ class ModelServer:
         self._run_task = asyncio.create_task(self._scheduler.run())
         log.info("%s ready on %s (%.0f MB)", spec.name, spec.runtime, self.memory_mb)
 
+    def _reprofile_soon(self) -> None:
+        """The stored profile was contradicted in service: profile again, once, meanwhile
+        serving on (the profile's timings queue in the executor between two batches)."""
+        if self._reprofiling is None:
+            self._reprofiling = asyncio.get_running_loop().create_task(self._reprofile())
+
+    async def _reprofile(self) -> None:
+        log.warning(
+            "%s: batches run much faster than the stored profile says (it was timed on a "
+            "busier machine); profiling again",
+            self.spec.name,
+        )
+        try:
+            budget = await reprofile(
+                self.nc.jetstream(),
+                self.spec,
+                self._runtime,
+                self._executor,
+                self.worker_id,
+                self.budget.max_batch_tokens or self.settings.max_batch_tokens,
+                self.settings.latency_targets,
+            )
+        except Exception as err:  # the old budget still serves
+            log.warning("%s: profiling again failed: %s", self.spec.name, err)
+            return
+        log.info(
+            "%s: batch budget %d -> %d items",
+            self.spec.name,
+            self.budget.max_batch_items,
+            budget.max_batch_items,
+        )
+        self.budget = budget
+        self._ctx.settings = _with_budget(self.settings, budget)
+        self._ctx.room_changed.set()  # more room: the fill loop pulls for the larger budget
+
     async def drain(self) -> None:
-        """Stop pulling, finish and ack everything held, release the model."""
+        """Stop pulling, hand back (nak) the messages not started, finish and ack the rest,
+        release the model."""
         self.state = WorkerState.DRAINING
         self._stopping.set()
         for name in list(self.adapters):
@@ -157,6 +230,12 @@ class ModelServer:
         if self._scheduler is not None and self._run_task is not None:
             await self._tasks[0]  # the fill loop ends with its pull request (at most poll_s)
             self._scheduler.stop_accepting()
+            # Work not started goes back to the queue now, for the workers that stay.
+            released = self._scheduler.release_unstarted()
+            if released and self._ctx is not None:
+                log.info("%s: handing back %d unstarted message(s)", self.spec.name, len(released))
+                for message in released:
+                    await self._ctx.outbox.hand_back(message)
             await self._run_task
         for task in self._tasks[1:]:
             task.cancel()
@@ -165,6 +244,10 @@ class ModelServer:
         if self._cancels is not None:
             with contextlib.suppress(Exception):
                 await self._cancels.unsubscribe()
+        for subscription in self._dead_letter_subs.values():
+            with contextlib.suppress(Exception):
+                await subscription.unsubscribe()
+        self._dead_letter_subs.clear()
         if self._runtime is not None:
             await asyncio.get_running_loop().run_in_executor(self._executor, self._runtime.close)
             self._runtime = None
@@ -196,9 +279,16 @@ class ModelServer:
 
     def _make_scheduler(self, runtime) -> Scheduler:
         assert self._ctx is not None
+        if runtime_record(self.spec.runtime).engine:
+            from shoal.worker.schedulers.relay import RelayScheduler
+
+            limit = self.budget.max_batch_items
+            return RelayScheduler(self._ctx, runtime, self.spec.task, self.spec.name, limit)
         if self.spec.task is Task.GENERATE:
             return ContinuousScheduler(self._ctx, runtime)
-        return BatchScheduler(self._ctx, batch_handler(self.spec, runtime), self.spec.task)
+        assert self._recorder is not None
+        handler = self._recorder.wrap(batch_handler(self.spec, runtime))
+        return BatchScheduler(self._ctx, handler, self.spec.task)
 
     def _on_message(self, msg: Msg) -> None:
         self._accept(msg, None)
@@ -217,12 +307,30 @@ class ModelServer:
         if not envelope.requests:
             self._background(msg.ack())
             return
-        message = WorkMessage(msg, len(envelope.requests), deliveries_of(msg.reply))
+        message = WorkMessage(
+            msg, len(envelope.requests), deliveries_of(msg.reply), stream_seq_of(msg.reply)
+        )
         size = len(envelope.requests)
         self._items_per_message += ITEMS_PER_MESSAGE_WEIGHT * (size - self._items_per_message)
+        if message.deliveries >= RUN_ALONE_FROM_DELIVERY and self.spec.task is not Task.GENERATE:
+            # Suspect: its requests run alone, a known culprit last (worker/poison.py).
+            self._background(self._accept_suspect(message, envelope, adapter))
+            return
         for request in envelope.requests:
             item = WorkItem.from_request(message, envelope, request)
             item.adapter = adapter
+            self._scheduler.accept(item)
+
+    async def _accept_suspect(
+        self, message: WorkMessage, envelope: WorkEnvelope, adapter: str | None
+    ) -> None:
+        assert self._scheduler is not None and self._recorder is not None
+        culprit = await self._recorder.culprit_of(message)
+        for request in envelope.requests:
+            item = WorkItem.from_request(message, envelope, request)
+            item.adapter = adapter
+            item.culprit = request.request_id == culprit
+            self._recorder.expect(item)
             self._scheduler.accept(item)
 
     def _background(self, work) -> None:
@@ -288,6 +396,9 @@ class ModelServer:
             self._accept(msg, spec.name)
 
         feed = _AdapterFeed(spec, Puller(self.nc, WORK_STREAM, consumer, on_message))
+        if self._dead_letterer is not None:
+            subscription = await self._dead_letterer.watch(consumer, spec.name)
+            self._dead_letter_subs[spec.name] = subscription
         await feed.puller.start()
         feed.fill = asyncio.create_task(self._fill(feed.puller, feed.stopped))
         self.adapters[spec.name] = feed
@@ -303,6 +414,10 @@ class ModelServer:
         if feed.fill is not None:
             await feed.fill  # ends with its pull request (at most poll_s)
         await feed.puller.stop()
+        subscription = self._dead_letter_subs.pop(name, None)
+        if subscription is not None:
+            with contextlib.suppress(Exception):
+                await subscription.unsubscribe()
         while self._scheduler is not None and any(
             item.adapter == name for item in self._scheduler.held()
         ):

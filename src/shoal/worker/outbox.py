@@ -15,7 +15,7 @@ from nats.aio.client import Client
 
 from shoal.observability.metrics import WorkerMetrics
 from shoal.protocol import Result, ResultBatch, encode_msgpack
-from shoal.worker.items import Reply, WorkItem
+from shoal.worker.items import Reply, WorkItem, WorkMessage
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,14 @@ class Outbox:
             log.warning("%d results have no reply subject; dropped", len(results))
             return
         await self._nc.publish(reply_to, encode_msgpack(ResultBatch(results)))
+
+    async def hand_back(self, message: WorkMessage) -> None:
+        """Give back a message none of whose requests was started (nak): JetStream redelivers
+        it at once, to whichever worker pulls next."""
+        try:
+            await message.msg.nak()
+        except Exception as err:  # the connection is gone: redelivered after the ack wait
+            log.debug("nak failed: %s", err)
 
     async def ack(self, item: WorkItem) -> None:
         """Done with the item; its message is acked once all of its requests are done."""

@@ -11,6 +11,13 @@ reading speed). The result goes to the `shoal_profiles` KV bucket under (model, 
 hardware fingerprint); every later worker with the same key reads it instead of profiling.
 Workers that start together race for the key with a KV create: one profiles, the others wait.
 The token budget is not profiled: it bounds memory on long texts and stays as configured.
+
+A profile has to hold on a machine that is still busy starting (or shared): the sizes are
+timed in `PROFILE_PASSES` interleaved passes and each size's median is kept, so a busy spell
+slows one timing of each size rather than all timings of some sizes. And a worker audits the
+profile it uses against what its batches cost in service (`ProfileAudit`): when they run much
+faster than the profile says, the profile was measured under load, and the worker profiles
+once more and stores the new result for every worker.
 """
 
 from __future__ import annotations
@@ -19,12 +26,16 @@ import asyncio
 import logging
 import os
 import platform
+import statistics
 import sys
 import time
+from collections import deque
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
 
 from shoal.config import LatencyTargets
 from shoal.protocol import ModelSpec, Task, now_ms
@@ -46,9 +57,12 @@ from shoal.state.profiles import (
 log = logging.getLogger(__name__)
 
 PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-MIN_SECONDS_PER_SIZE = 0.2
+PROFILE_PASSES = 3
+MIN_SECONDS_PER_SIZE = 0.1  # a pass; each size is timed once a pass
 WITHIN_BEST = 0.95
 WAIT_FOR_OTHER_S = 120.0  # a profile claimed longer ago than this was abandoned
+AUDIT_BATCHES = 32
+FASTER_THAN_PROFILE = 0.7  # in service at most 0.7x the profile's seconds: profiled too busy
 _PROFILE_TEXT = "Sentence number {i} about pulling work from a shared queue, for profiling."
 MIN_STEPS_PER_SIZE = 3
 
@@ -106,21 +120,74 @@ class Measurements:
 def profile_batches(
     runtime: EmbeddingRuntime | ScoringRuntime, latency_target_s: float
 ) -> Measurements:
-    """Time the runtime over batch sizes and pick the budget (runs in the executor thread)."""
-    throughput: dict[int, float] = {}
-    latency: dict[int, float] = {}
+    """Time the runtime over batch sizes and pick the budget (runs in the executor thread).
+
+    `PROFILE_PASSES` passes over the sizes, each size's median seconds per batch kept. The
+    first pass stops at the first size past the latency target; later passes time only the
+    sizes the first one reached.
+    """
     run_texts(runtime, [_PROFILE_TEXT.format(i=0)])  # warm up
+    timings: dict[int, list[float]] = {}
     for size in PROFILE_SIZES:
-        texts = [_PROFILE_TEXT.format(i=i) for i in range(size)]
-        runs, began = 0, time.perf_counter()
-        while runs < 2 or time.perf_counter() - began < MIN_SECONDS_PER_SIZE:
-            run_texts(runtime, texts)
-            runs += 1
-        seconds = (time.perf_counter() - began) / runs
-        throughput[size], latency[size] = size / seconds, seconds
-        if seconds > latency_target_s:
+        timings[size] = [_seconds_per_batch(runtime, size)]
+        if timings[size][0] > latency_target_s:
             break  # larger batches only take longer
+    for _ in range(PROFILE_PASSES - 1):
+        for size, seconds in timings.items():
+            seconds.append(_seconds_per_batch(runtime, size))
+    latency = {size: statistics.median(seconds) for size, seconds in timings.items()}
+    throughput = {size: size / seconds for size, seconds in latency.items()}
     return Measurements(throughput, latency, choose_budget(throughput, latency, latency_target_s))
+
+
+def _seconds_per_batch(runtime: EmbeddingRuntime | ScoringRuntime, size: int) -> float:
+    texts = [_PROFILE_TEXT.format(i=i) for i in range(size)]
+    runs, began = 0, time.perf_counter()
+    while runs < 2 or time.perf_counter() - began < MIN_SECONDS_PER_SIZE:
+        run_texts(runtime, texts)
+        runs += 1
+    return (time.perf_counter() - began) / runs
+
+
+class ProfileAudit:
+    """Whether a stored profile is contradicted by what batches cost in service.
+
+    Each batch's seconds are compared with the profile's seconds at its size (interpolated
+    between profiled sizes). Once `AUDIT_BATCHES` batches are in, a median ratio below
+    `FASTER_THAN_PROFILE` means the profile was timed on a busier machine than the one now
+    serving, so its budget may be too small: `observe` answers True, once. Slower service
+    than profiled is not a contradiction: in service a batch also decodes requests and
+    encodes responses, and the worker's network loop competes for the CPU.
+    """
+
+    def __init__(self, latency_s: dict[int, float]) -> None:
+        self._profile = sorted((int(size), float(s)) for size, s in latency_s.items() if s > 0)
+        self._ratios: deque[float] = deque(maxlen=AUDIT_BATCHES)
+        self._done = len(self._profile) < 2  # nothing to audit against
+
+    def expected_seconds(self, items: int) -> float:
+        """The profile's seconds for a batch of `items`, linear between profiled sizes (past
+        the largest, its last segment extended; below the smallest, the smallest's)."""
+        points = self._profile
+        if items <= points[0][0]:
+            return points[0][1]
+        for (n0, s0), (n1, s1) in pairwise(points):
+            if items <= n1:
+                return s0 + (s1 - s0) * (items - n0) / (n1 - n0)
+        (n0, s0), (n1, s1) = points[-2], points[-1]
+        return max(s1, s1 + (s1 - s0) * (items - n1) / (n1 - n0))
+
+    def observe(self, items: int, seconds: float) -> bool:
+        """Record one batch; True the first time the profile is found contradicted."""
+        if self._done or items < 1 or seconds <= 0:
+            return False
+        self._ratios.append(seconds / self.expected_seconds(items))
+        if len(self._ratios) < AUDIT_BATCHES:
+            return False
+        if statistics.median(self._ratios) < FASTER_THAN_PROFILE:
+            self._done = True
+            return True
+        return False
 
 
 def profile_sequences(runtime: GenerationRuntime, latency_target_s: float) -> Measurements:
@@ -207,6 +274,39 @@ async def tuned_budget(
         if await claim_profile(kv, key) or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.5)  # another worker is profiling this model: wait for it
+    return await measure_and_store(
+        kv, key, spec, runtime, executor, worker_id, max_batch_tokens, targets
+    )
+
+
+async def reprofile(
+    js: JetStreamContext,
+    spec: ModelSpec,
+    runtime: EmbeddingRuntime | ScoringRuntime,
+    executor: Executor,
+    worker_id: str,
+    max_batch_tokens: int,
+    targets: LatencyTargets,
+) -> BatchBudget:
+    """Profile again (the stored profile was contradicted in service) and replace it."""
+    kv = await ensure_profiles_kv(js)
+    key = profile_key(spec, hardware_fingerprint())
+    return await measure_and_store(
+        kv, key, spec, runtime, executor, worker_id, max_batch_tokens, targets
+    )
+
+
+async def measure_and_store(
+    kv: KeyValue,
+    key: str,
+    spec: ModelSpec,
+    runtime: EmbeddingRuntime | ScoringRuntime | GenerationRuntime,
+    executor: Executor,
+    worker_id: str,
+    max_batch_tokens: int,
+    targets: LatencyTargets,
+) -> BatchBudget:
+    """Profile the runtime in the executor, store the profile under `key`, return the budget."""
     if spec.task is Task.GENERATE:
         measure, target = profile_sequences, targets.token_s
     else:
@@ -216,7 +316,7 @@ async def tuned_budget(
     profile = BatchProfile(
         model=spec.name,
         runtime=spec.runtime,
-        hardware=hardware,
+        hardware=hardware_fingerprint(),
         max_batch_items=measured.chosen,
         max_batch_tokens=max_batch_tokens,
         throughput={s: round(v, 2) for s, v in measured.throughput.items()},

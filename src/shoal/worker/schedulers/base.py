@@ -10,7 +10,9 @@ per-batch accounting from `SchedulerBase`.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -19,10 +21,13 @@ from shoal.api.errors import ApiError
 from shoal.config import WorkerSettings
 from shoal.observability.metrics import BusyMeter, WorkerMetrics
 from shoal.protocol import Task, now_ms
-from shoal.worker.items import Reply, WorkItem
+from shoal.worker.items import Reply, WorkItem, WorkMessage
 from shoal.worker.outbox import Outbox
+from shoal.worker.profiling import ProfileAudit
 
 _CLIENT_CLOSED = 499  # nginx's "client closed request": metrics only
+CANCELLED_MEMORY_S = 300.0  # how long a cancel is remembered for a request not yet met
+CANCELS_KEPT = 10_000  # past this many, cancels older than CANCELLED_MEMORY_S are forgotten
 
 
 @dataclass(slots=True)
@@ -56,6 +61,10 @@ class SchedulerContext:
     room_changed: asyncio.Event = field(default_factory=asyncio.Event)
     # Seconds per batch size from the model's profile (seeds the adaptive batch wait).
     profiled_latency_s: dict[int, float] = field(default_factory=dict)
+    # Checks the profile against batches in service (None: the budget was set by hand), and
+    # what to call, once, when service contradicts it (the model server profiles again).
+    audit: ProfileAudit | None = None
+    on_profile_contradicted: Callable[[], None] | None = None
 
 
 class Scheduler(Protocol):
@@ -81,6 +90,11 @@ class Scheduler(Protocol):
         """No more items will arrive: `run` returns once everything held is answered."""
         ...
 
+    def release_unstarted(self) -> list[WorkMessage]:
+        """Remove the messages none of whose requests has started, for a draining worker to
+        hand back (nak): another worker runs them at once, not after the ack wait."""
+        ...
+
     async def run(self) -> None: ...
 
 
@@ -96,6 +110,7 @@ class SchedulerBase:
         self._pending: deque[WorkItem] = deque()
         self._arrived = asyncio.Event()
         self._accepting = True
+        self._cancelled: dict[str, float] = {}  # request id -> when its cancel arrived
 
     def accept(self, item: WorkItem) -> None:
         self._pending.append(item)
@@ -104,6 +119,24 @@ class SchedulerBase:
     def stop_accepting(self) -> None:
         self._accepting = False
         self._arrived.set()
+
+    def release_unstarted(self) -> list[WorkMessage]:
+        # A message with a request running or answered stays: handing it back would run
+        # those again; its remaining requests are run here before the worker exits.
+        waiting: dict[int, int] = {}
+        for item in self._pending:
+            if item.message is not None:
+                waiting[id(item.message)] = waiting.get(id(item.message), 0) + 1
+        released = {
+            id(item.message): item.message
+            for item in self._pending
+            if item.message is not None and waiting[id(item.message)] == item.message.unanswered
+        }
+        if released:  # in place: the deque is shared with whoever reads it
+            kept = [i for i in self._pending if i.message is None or id(i.message) not in released]
+            self._pending.clear()
+            self._pending.extend(kept)
+        return list(released.values())
 
     async def _wait_for_work(self) -> bool:
         """Wait until something is pending; False once nothing is and nothing more will be."""
@@ -122,6 +155,23 @@ class SchedulerBase:
     async def _ack(self, item: WorkItem) -> None:
         await self._ctx.outbox.ack(item)
         self._ctx.counters.finished(item)
+
+    def _remember_cancel(self, request_id: str) -> None:
+        """A cancel for a request not running here: pending, not yet pulled, or held by
+        another worker (every worker of the model hears it). Remembered, so that whichever
+        loop of this worker meets the request drops it before it runs, however late it
+        arrives: no race between a cancel and the request's delivery."""
+        now = time.monotonic()
+        self._cancelled[request_id] = now
+        if len(self._cancelled) > CANCELS_KEPT:
+            recent = {r: t for r, t in self._cancelled.items() if now - t < CANCELLED_MEMORY_S}
+            if len(recent) > CANCELS_KEPT:  # a flood: keep the newest half
+                recent = dict(list(recent.items())[len(recent) // 2 :])
+            self._cancelled = recent
+
+    def _take_cancel(self, item: WorkItem) -> bool:
+        """Whether the item's client went away (and forget the cancel)."""
+        return bool(self._cancelled) and self._cancelled.pop(item.request_id, None) is not None
 
     async def _drop_cancelled(self, item: WorkItem) -> None:
         """Its client went away: no answer is read, so the item is only acked."""

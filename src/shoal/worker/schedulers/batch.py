@@ -47,12 +47,13 @@ class BatchScheduler(SchedulerBase):
         return [*self._running, *self._pending]
 
     def cancel(self, request_id: str) -> None:
-        # An embedding batch is short; cancelling one item in it would save nothing.
-        pass
+        # A running batch is short and runs to its end; a cancelled item not yet run is
+        # dropped before it runs (`_run_batch`), whenever it is pulled.
+        self._remember_cancel(request_id)
 
     async def run(self) -> None:
-        settings = self._ctx.settings
         while await self._wait_for_work():
+            settings = self._ctx.settings  # a new profile may have changed the budget
             if settings.adaptive_batch_wait:
                 await self._wait_for_fuller_batch()
             batch = take_batch(self._pending, settings.max_batch_items, settings.max_batch_tokens)
@@ -87,7 +88,12 @@ class BatchScheduler(SchedulerBase):
 
     async def _run_batch(self, batch: list[WorkItem]) -> None:
         ctx = self._ctx
-        live = [item for item in batch if not await self._reject_if_unservable(item)]
+        live = []
+        for item in batch:
+            if self._take_cancel(item):
+                await self._drop_cancelled(item)
+            elif not await self._reject_if_unservable(item):
+                live.append(item)
         if not live:
             return
         for item in live:
@@ -106,6 +112,9 @@ class BatchScheduler(SchedulerBase):
             busy_s = ctx.busy.stop()
         self._account_batch(busy_s, len(live))
         self._curve.observe(len(live), busy_s)
+        contradicted = ctx.audit is not None and ctx.audit.observe(len(live), busy_s)
+        if contradicted and ctx.on_profile_contradicted is not None:
+            ctx.on_profile_contradicted()
         # Every result first, then every ack: a worker that dies between the two leaves its
         # items to be redelivered, and the gateway drops the duplicate results.
         await ctx.outbox.replies(zip(live, outcome.replies, strict=True))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass, field
 
 from shoal.api.errors import ApiError
@@ -31,8 +30,6 @@ from shoal.worker.tasks.chat_template import render_chat
 from shoal.worker.tasks.text import TextAssembler
 
 log = logging.getLogger(__name__)
-
-CANCELLED_MEMORY_S = 300.0  # how long a cancel is remembered for a request not yet pulled
 
 
 @dataclass(slots=True)
@@ -85,7 +82,6 @@ class ContinuousScheduler(SchedulerBase):
         self._slots = min(runtime.max_sequences, budget) if budget > 0 else runtime.max_sequences
         self._free_slots = list(range(self._slots - 1, -1, -1))
         self._to_remove: list[int] = []  # slots whose sequences ended, freed at the next step
-        self._cancelled: dict[str, float] = {}  # request id -> when the cancel arrived
 
     @property
     def slots(self) -> int:
@@ -105,14 +101,7 @@ class ContinuousScheduler(SchedulerBase):
             if sequence.item.request_id == request_id:
                 sequence.cancelled = True
                 return
-        # Not running here: pending, held by another worker, or still queued. Remember it,
-        # so whichever of this worker's loops meets it skips it.
-        now = time.monotonic()
-        self._cancelled[request_id] = now
-        if len(self._cancelled) > 10_000:
-            self._cancelled = {
-                rid: t for rid, t in self._cancelled.items() if now - t < CANCELLED_MEMORY_S
-            }
+        self._remember_cancel(request_id)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -148,7 +137,7 @@ class ContinuousScheduler(SchedulerBase):
         admissions = []
         while self._pending and self._free_slots:
             item = self._pending.popleft()
-            if self._cancelled.pop(item.request_id, None) is not None:
+            if self._take_cancel(item):
                 await self._drop_cancelled(item)
                 continue
             if await self._reject_if_unservable(item):

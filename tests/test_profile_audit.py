@@ -1,0 +1,154 @@
+"""A batch profile that holds: medians over interleaved passes, and a profile that service
+contradicts is measured again (issue 11 part 4)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import msgspec
+from conftest import wait_until, worker_status
+
+from shoal.broker.connection import connect
+from shoal.runtimes.sim import SimEmbeddingRuntime
+from shoal.state.profiles import (
+    BatchProfile,
+    decode_batch_profile,
+    ensure_profiles_kv,
+    store_profile,
+)
+from shoal.state.workers import WorkerState
+from shoal.worker.profiling import AUDIT_BATCHES, ProfileAudit, profile_batches
+
+LINEAR = {1: 0.010, 2: 0.012, 4: 0.016, 8: 0.024, 16: 0.040}
+
+
+def test_audit_fires_once_when_service_is_much_faster_than_the_profile():
+    audit = ProfileAudit(LINEAR)
+    fired = [audit.observe(8, 0.4 * LINEAR[8]) for _ in range(3 * AUDIT_BATCHES)]
+    assert fired.index(True) == AUDIT_BATCHES - 1  # as soon as the window is full
+    assert fired.count(True) == 1
+
+
+def test_audit_keeps_a_profile_that_service_agrees_with_or_runs_slower_than():
+    for factor in (1.0, 0.8, 1.5, 3.0):
+        audit = ProfileAudit(LINEAR)
+        # Sizes between and beyond the profiled ones are interpolated and extended.
+        sizes = [3, 6, 12, 16, 32]
+        expected = {3: 0.014, 6: 0.020, 12: 0.032, 16: 0.040, 32: 0.072}
+        assert all(abs(audit.expected_seconds(n) - expected[n]) < 1e-9 for n in sizes)
+        results = [
+            audit.observe(n, factor * expected[n]) for _ in range(AUDIT_BATCHES) for n in sizes
+        ]
+        assert not any(results), factor
+
+
+def test_a_few_fast_batches_among_many_do_not_fire():
+    audit = ProfileAudit(LINEAR)
+    batches = [0.3 if i % 3 == 0 else 1.0 for i in range(4 * AUDIT_BATCHES)]
+    assert not any(audit.observe(8, ratio * LINEAR[8]) for ratio in batches)
+
+
+class BusyAtFirst(SimEmbeddingRuntime):
+    """The simulated device, 3x slower for its first `busy_s` seconds: a machine still
+    starting other processes while the first worker profiles."""
+
+    def __init__(self, busy_s: float) -> None:
+        super().__init__("busy", {"batch_ms": 20, "token_us": 0})
+        self._busy_until = time.perf_counter() + busy_s
+
+    def embed(self, texts, adapters=None):
+        began = time.perf_counter()
+        output = super().embed(texts, adapters)
+        if began < self._busy_until:
+            time.sleep(2 * (time.perf_counter() - began))
+        return output
+
+
+def test_a_busy_spell_during_the_first_pass_does_not_move_the_profile():
+    quiet = profile_batches(BusyAtFirst(busy_s=0), latency_target_s=1.0)
+    # Busy for most of the first of the three passes (9 sizes, each >= 0.12 s while slowed).
+    busy = profile_batches(BusyAtFirst(busy_s=1.0), latency_target_s=1.0)
+    assert busy.chosen == quiet.chosen == 256  # a flat 20 ms a batch: the largest size
+    for size, seconds in busy.latency_s.items():
+        assert seconds < 1.3 * quiet.latency_s[size], (size, seconds, quiet.latency_s[size])
+
+
+def _profiles(nats_url: str, model: str) -> dict[str, BatchProfile]:
+    async def read() -> dict[str, BatchProfile]:
+        nc = await connect(nats_url, name="test")
+        try:
+            kv = await ensure_profiles_kv(nc.jetstream())
+            found = {}
+            for key in await kv.keys():
+                entry = await kv.get(key)
+                if entry.value:
+                    profile = decode_batch_profile(entry.value)
+                    if profile.model == model:
+                        found[key] = profile
+            return found
+        finally:
+            await nc.close()
+
+    return asyncio.run(read())
+
+
+def _store(nats_url: str, key: str, profile: BatchProfile) -> None:
+    async def put() -> None:
+        nc = await connect(nats_url, name="test")
+        try:
+            await store_profile(await ensure_profiles_kv(nc.jetstream()), key, profile)
+        finally:
+            await nc.close()
+
+    asyncio.run(put())
+
+
+def test_a_worker_profiles_again_when_service_contradicts_a_busy_profile(
+    nats_server, launcher, gateway_url
+):
+    model = "sim-audited"
+    sim = ["--runtime", "sim", "--option", "batch_ms=20", "--option", "token_us=0"]
+    first = launcher.worker(nats_server.url, model, *sim)
+    ((key, good),) = _profiles(nats_server.url, model).items()
+    assert good.max_batch_items == 256
+    first.stop()
+
+    # What a profile timed on a busy machine looks like: every size 3x slower, a small budget.
+    slow = {size: 3 * seconds for size, seconds in good.latency_s.items()}
+    busy = msgspec.structs.replace(
+        good,
+        max_batch_items=4,
+        latency_s=slow,
+        throughput={size: size / seconds for size, seconds in slow.items()},
+        profiled_by="a busy machine",
+    )
+    _store(nats_server.url, key, busy)
+
+    worker = launcher.worker(nats_server.url, model, *sim)
+    assert worker_status(nats_server.url, worker.pid, WorkerState.READY).max_batch_items == 4
+
+    # Load enough for the audit's window: batches of at most 4, each 20 ms instead of 60.
+    with httpx.Client(timeout=30) as client:
+        pool = ThreadPoolExecutor(16)
+        body = {"model": model, "input": "x"}
+        statuses = list(
+            pool.map(
+                lambda _: client.post(f"{gateway_url}/v1/embeddings", json=body).status_code,
+                range(8 * AUDIT_BATCHES),
+            )
+        )
+        pool.shutdown()
+    assert statuses == [200] * len(statuses)
+
+    def profiled_again():
+        status = worker_status(nats_server.url, worker.pid, WorkerState.READY)
+        return status if status and status.max_batch_items == 256 else None
+
+    wait_until(profiled_again, 30, worker)
+    stored = _profiles(nats_server.url, model)[key]
+    assert stored.max_batch_items == 256 and stored.profiled_by != "a busy machine"
+    assert stored.latency_s[4] < 2 * good.latency_s[4]
+    assert "profiling again" in worker.log()
