@@ -124,6 +124,9 @@ class WorkRequest(msgspec.Struct, array_like=True, frozen=True):
     cost: int  # estimated tokens (batch forming)
     body: bytes
     stream: bool = False  # reply with numbered chunks, not one body
+    # Set when the body was too large for a work message: it waits in the object store under
+    # this key (broker/bodies.py) and `body` is empty.
+    body_key: str = ""
 
 
 class WorkEnvelope(msgspec.Struct, array_like=True, frozen=True):
@@ -144,6 +147,12 @@ class Result(msgspec.Struct, array_like=True, frozen=True):
     body: bytes  # the response body, or the chunk, ready for the client
     seq: int = -1  # a streamed chunk's position from 0; -1: a whole answer
     final: bool = False  # the last message of a streamed answer
+    # A body larger than a message can carry travels in parts, in order, on one connection:
+    # `part` counts them from 0, `more` says the body goes on in the next part, and `sender`
+    # names the connection, so parts of two workers answering one request are never mixed.
+    more: bool = False
+    part: int = 0
+    sender: str = ""
 
 
 class ResultBatch(msgspec.Struct, array_like=True, frozen=True):

@@ -18,10 +18,12 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
+import msgspec
 from nats.aio.client import Client
 
 from shoal.api.errors import ApiError
 from shoal.api.models import encode_model_list
+from shoal.broker.bodies import INLINE_BODY_BYTES, BodyStore
 from shoal.broker.connection import connect
 from shoal.broker.jetstream import ensure_work_stream
 from shoal.broker.publish import (
@@ -99,6 +101,7 @@ class Gateway:
         self.auth = auth_for(settings.api_keys, settings.host)
         self._nc: Client | None = None
         self._js = None
+        self._bodies: BodyStore | None = None  # large request bodies (broker/bodies.py)
         self._ready = asyncio.Event()
         self._connect_task: asyncio.Task[None] | None = None
         self._openapi_document = load_document()  # static: built from shoal.api's types
@@ -151,7 +154,7 @@ class Gateway:
                 log.warning("gateway cannot reach NATS at %s yet: %s", self.settings.nats_url, err)
                 await asyncio.sleep(1.0)
                 continue
-            self._nc, self._js = nc, js
+            self._nc, self._js, self._bodies = nc, js, BodyStore(js)
             self._lost = asyncio.get_running_loop().create_future()
             self._ready.set()
             return
@@ -288,7 +291,33 @@ class Gateway:
         self._connected_js()  # 503 at once while NATS is away
         # Generation travels alone: its worker pulls as many requests as it has free slots.
         alone = endpoint in (Endpoint.COMPLETIONS, Endpoint.CHAT_COMPLETIONS)
-        await self.committer.submit(work_subject(model), request, alone=alone)
+        if len(request.body) <= INLINE_BODY_BYTES:
+            await self.committer.submit(work_subject(model), request, alone=alone)
+            return
+        # Too large for a work message on any NATS: the body waits beside the queue.
+        await self._store_body(request)
+        try:
+            stored = msgspec.structs.replace(request, body=b"", body_key=request.request_id)
+            await self.committer.submit(work_subject(model), stored, alone=True)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self._store().delete(request.request_id)
+            raise
+
+    def _store(self) -> BodyStore:
+        self._connected_js()
+        assert self._bodies is not None
+        return self._bodies
+
+    async def _store_body(self, request: WorkRequest) -> None:
+        try:
+            await self._unless_lost(self._store().put(request.request_id, request.body))
+        except ApiError:
+            raise
+        except Exception as err:
+            raise ApiError(
+                503, f"The queue did not take the request body: {err}", retry_after=1
+            ) from None
 
     def _connected_js(self):
         nc, js = self._nc, self._js

@@ -15,11 +15,13 @@ import asyncio
 import uuid
 from collections.abc import Awaitable, Callable
 
+from shoal.broker.bodies import INLINE_BODY_BYTES
 from shoal.protocol import WorkEnvelope, WorkRequest, encode_msgpack, now_ms
 
 MAX_REQUESTS_PER_ENVELOPE = 64
-# Well under NATS's default 1 MB max_payload, with room for the envelope's framing.
-MAX_ENVELOPE_BYTES = 256 * 1024
+# Well under NATS's default 1 MB max_payload, with room for the envelope's framing; a larger
+# body does not travel in an envelope at all (broker/bodies.py).
+MAX_ENVELOPE_BYTES = INLINE_BODY_BYTES
 
 # (subject, payload, envelope id) -> stored; raises to refuse every request in the envelope
 Publish = Callable[[str, bytes, str], Awaitable[None]]

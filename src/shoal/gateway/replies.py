@@ -1,7 +1,9 @@
 """One reply subscription per gateway process; results are matched to waiters by request id.
 
 A reply message is a `ResultBatch`: a worker sends every result of a batch for this gateway
-in one message, and each chunk of a stream in one of its own.
+in one message, and each chunk of a stream in one of its own. A body larger than a message
+can carry comes in parts, in order (`Result.more` on all but the last), joined here before
+its request sees it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ class ReplyRouter:
         self.subject = subject
         self._waiting: dict[str, asyncio.Future[Result]] = {}
         self._streams: dict[str, asyncio.Queue[Result]] = {}
+        # Bodies still arriving in parts: request id -> (sender, the parts so far).
+        self._parts: dict[str, tuple[str, list[bytes]]] = {}
         self._sub: Subscription | None = None
         self._on_dropped = on_dropped
 
@@ -52,6 +56,7 @@ class ReplyRouter:
     def forget(self, request_id: str) -> None:
         self._waiting.pop(request_id, None)
         self._streams.pop(request_id, None)
+        self._parts.pop(request_id, None)
 
     def fail_all(self, error: ApiError) -> int:
         """Answer every request still waiting with `error`; returns how many there were.
@@ -63,7 +68,7 @@ class ReplyRouter:
         still come for these ids are dropped as late.
         """
         waiting, streams = self._waiting, self._streams
-        self._waiting, self._streams = {}, {}
+        self._waiting, self._streams, self._parts = {}, {}, {}
         for future in waiting.values():
             if not future.done():
                 future.set_exception(error)
@@ -86,12 +91,42 @@ class ReplyRouter:
             self._deliver(result)
 
     def _deliver(self, result: Result) -> None:
-        stream = self._streams.get(result.request_id)
+        request_id = result.request_id
+        if result.more or result.part:
+            joined = self._join_part(result)
+            if joined is None:
+                return
+            result = joined
+        stream = self._streams.get(request_id)
         if stream is not None:
             stream.put_nowait(result)
             return
-        future = self._waiting.pop(result.request_id, None)
+        future = self._waiting.pop(request_id, None)
         if future is None or future.done():
             self._on_dropped()
             return
         future.set_result(result)
+
+    def _join_part(self, result: Result) -> Result | None:
+        """Keep one part of a body; the whole result once its last part is in, else None.
+
+        A body is built from one sender's parts only, in order: when two workers answer the
+        same request at once (a redelivery while the first still ran), the sequence begun last
+        wins and the other's parts are ignored, never mixed in.
+        """
+        request_id = result.request_id
+        if request_id not in self._waiting and request_id not in self._streams:
+            self._parts.pop(request_id, None)
+            if not result.more:
+                self._on_dropped()  # a late answer, counted once
+            return None
+        if result.part == 0:
+            self._parts[request_id] = (result.sender, [])
+        sender, parts = self._parts.get(request_id, ("", []))
+        if sender != result.sender or result.part != len(parts):
+            return None  # another sender's, or a gap: not part of the body being built
+        parts.append(result.body)
+        if result.more:
+            return None
+        del self._parts[request_id]
+        return msgspec.structs.replace(result, body=b"".join(parts), part=0, sender="")

@@ -47,6 +47,7 @@ class WorkItem:
     endpoint: Endpoint | None  # None: an endpoint this worker does not know
     body: bytes = b""
     stream: bool = False
+    body_key: str = ""  # its body came through the object store (broker/bodies.py)
     deliveries: int = 1
     adapter: str | None = None  # the LoRA deployment it was sent to, served by its base
     # Running alone when a worker stopped on an earlier delivery (state/attempts.py): it
@@ -67,6 +68,7 @@ class WorkItem:
             endpoint=_endpoint(request.endpoint),
             body=request.body,
             stream=request.stream,
+            body_key=request.body_key,
             deliveries=message.deliveries,
         )
 

@@ -23,6 +23,8 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 
+from shoal.api.errors import ApiError
+from shoal.broker.bodies import BodyMissingError
 from shoal.broker.jetstream import ensure_model_consumer
 from shoal.broker.puller import Puller
 from shoal.config import WorkerSettings
@@ -42,6 +44,7 @@ from shoal.state.attempts import ensure_attempts_kv
 from shoal.state.workers import WorkerState, WorkerStatus, put_status
 from shoal.worker.items import (
     RUN_ALONE_FROM_DELIVERY,
+    Reply,
     WorkItem,
     WorkMessage,
     deliveries_of,
@@ -312,6 +315,15 @@ class ModelServer:
         )
         size = len(envelope.requests)
         self._items_per_message += ITEMS_PER_MESSAGE_WEIGHT * (size - self._items_per_message)
+        if any(request.body_key for request in envelope.requests):
+            self._background(self._accept_stored(message, envelope, adapter))
+            return
+        self._accept_envelope(message, envelope, adapter)
+
+    def _accept_envelope(
+        self, message: WorkMessage, envelope: WorkEnvelope, adapter: str | None
+    ) -> None:
+        assert self._scheduler is not None
         if message.deliveries >= RUN_ALONE_FROM_DELIVERY and self.spec.task is not Task.GENERATE:
             # Suspect: its requests run alone, a known culprit last (worker/poison.py).
             self._background(self._accept_suspect(message, envelope, adapter))
@@ -320,6 +332,44 @@ class ModelServer:
             item = WorkItem.from_request(message, envelope, request)
             item.adapter = adapter
             self._scheduler.accept(item)
+
+    async def _accept_stored(
+        self, message: WorkMessage, envelope: WorkEnvelope, adapter: str | None
+    ) -> None:
+        """Read back the bodies that came through the object store, then accept as usual.
+
+        A body that is gone (expired, or deleted after an earlier delivery was answered) is
+        answered with a 503 at once; a NATS error hands the whole message back for later.
+        """
+        assert self._ctx is not None
+        outbox = self._ctx.outbox
+        bodies: dict[str, bytes | None] = {}
+        try:
+            for request in envelope.requests:
+                if request.body_key:
+                    bodies[request.body_key] = await _stored_body(outbox, request.body_key)
+        except Exception as err:
+            log.warning("%s: cannot read a stored request body: %s", self.spec.name, err)
+            await outbox.hand_back(message)
+            return
+        requests = []
+        for request in envelope.requests:
+            if not request.body_key:
+                requests.append(request)
+                continue
+            body = bodies[request.body_key]
+            if body is not None:
+                requests.append(msgspec.structs.replace(request, body=body))
+                continue
+            item = WorkItem.from_request(message, envelope, request)
+            error = ApiError(
+                503, "The request's body is no longer stored; send it again", retry_after=1
+            )
+            await outbox.reply(item, Reply.from_error(error))
+            await outbox.ack(item)
+        if requests:
+            readable = msgspec.structs.replace(envelope, requests=requests)
+            self._accept_envelope(message, readable, adapter)
 
     async def _accept_suspect(
         self, message: WorkMessage, envelope: WorkEnvelope, adapter: str | None
@@ -498,3 +548,11 @@ def _rss_mb() -> float:
     except (OSError, ValueError, IndexError):
         return 0.0
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+async def _stored_body(outbox: Outbox, key: str) -> bytes | None:
+    """A body from the object store; None when it is gone."""
+    try:
+        return await outbox.bodies.get(key)
+    except BodyMissingError:
+        return None
