@@ -320,10 +320,14 @@ class EngineRuntime:
             status = self.exited()
             if status is not None:
                 raise self._not_ready(f"exited with status {status} before it was ready")
+            # Whole URLs: the shared client has no base URL (the port changes per start), and
+            # httpx's refusal of a relative one is an HTTPError too, which would be retried
+            # here until the startup timeout.
             with contextlib.suppress(httpx.HTTPError):
-                health = await client.get(self.health_path, timeout=2.0)
+                health = await client.get(self.base_url + self.health_path, timeout=2.0)
                 if health.status_code == 200:
-                    self._learn_served_model(await client.get("/v1/models", timeout=2.0))
+                    models = await client.get(self.base_url + "/v1/models", timeout=2.0)
+                    self._learn_served_model(models)
                     return
             if time.monotonic() > deadline:
                 self._stop()

@@ -20,9 +20,14 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
-from shoal.api.errors import ApiError
-from shoal.protocol import Task, encode_json, now_ms
+import msgspec
+
+from shoal.api.embeddings import EmbeddingsRequest
+from shoal.api.errors import ApiError, invalid_body
+from shoal.api.generation import ChatRequest, CompletionsRequest
+from shoal.protocol import Endpoint, Task, encode_json, now_ms
 from shoal.runtimes.engine import (
     EngineRuntime,
     EngineStartError,
@@ -39,6 +44,10 @@ DEFAULT_CONCURRENCY = 8
 CANCELLED_MEMORY_S = 300.0
 WATCH_INTERVAL_S = 0.2
 EXIT_GRACE_S = 1.0  # after a dropped connection, how long to look for the engine's death
+
+
+class StreamCutShort(Exception):
+    """The engine ended a stream (with `[DONE]`) before any choice had a finish reason."""
 
 
 @dataclass(slots=True, eq=False)
@@ -138,7 +147,11 @@ class RelayScheduler(SchedulerBase):
                 )
                 continue
             try:
+                check_request(item.endpoint, item.body)
                 body = with_model(item.body, self._engine.served_model)
+            except ApiError as err:
+                await self._answer(item, Reply.from_error(err))
+                continue
             except ValueError as err:
                 await self._answer(item, Reply.from_error(ApiError(400, str(err))))
                 continue
@@ -164,6 +177,8 @@ class RelayScheduler(SchedulerBase):
         except TimeoutError:
             error = ApiError(504, "The request's deadline passed during generation", code="timeout")
             await self._end_with_error(relay, error)
+        except StreamCutShort as err:
+            await self._end_with_error(relay, ApiError(502, str(err), code="stream_interrupted"))
         except EngineUnavailable as err:
             await self._engine_dropped(relay, err)
         except Exception:  # a bug here must not leave the request unanswered
@@ -198,6 +213,7 @@ class RelayScheduler(SchedulerBase):
             # may be the last (a finish reason, or usage) is held until the next one arrives.
             held: bytes | None = None
             last: dict | None = None
+            finished = False
             async for payload in stream.events():
                 document = decode_object(payload)
                 if document is None:
@@ -205,6 +221,7 @@ class RelayScheduler(SchedulerBase):
                 self._count_chunk(relay, document)
                 document["model"] = self._model
                 chunk, last = encode_json(document), document
+                finished = finished or _has_finish(document)
                 if held is not None:
                     await self._send(relay, held)
                     held = None
@@ -214,6 +231,11 @@ class RelayScheduler(SchedulerBase):
                     await self._send(relay, chunk)
         if last is None:
             raise EngineUnavailable("the engine's stream held no chunk")
+        if not finished:
+            # [DONE] before any choice had a finish reason: the engine cut the stream short
+            # (llama_cpp.server does, with --interrupt_requests on, when another request
+            # waits). Passing it on as whole would hand the client a truncated answer.
+            raise StreamCutShort("The engine ended the stream before its finish reason")
         if held is None:  # it ended on a content chunk: close with an empty one
             held = encode_json({**last, "choices": []})
         await outbox.last_chunk(item, relay.chunks_sent, Reply(200, held))
@@ -378,9 +400,59 @@ def _has_text(choice: dict) -> bool:
     return bool(choice.get("text"))
 
 
+def _has_finish(chunk: dict) -> bool:
+    choices = chunk.get("choices") or []
+    return any(isinstance(c, dict) and c.get("finish_reason") for c in choices)
+
+
 def _may_be_last(chunk: dict) -> bool:
     """A chunk with a finish reason, or without choices (usage), may end the stream."""
     choices = chunk.get("choices")
     if not choices:
         return True
     return any(isinstance(c, dict) and c.get("finish_reason") for c in choices)
+
+
+_GENERATION_TYPES: dict[Endpoint, type[msgspec.Struct]] = {
+    Endpoint.COMPLETIONS: CompletionsRequest,
+    Endpoint.CHAT_COMPLETIONS: ChatRequest,
+    Endpoint.EMBEDDINGS: EmbeddingsRequest,
+}
+
+
+def check_request(endpoint: Endpoint | None, body: bytes) -> None:
+    """ApiError(400) for a body that is not a valid OpenAI request, before the engine sees it.
+
+    Engines answer malformed bodies unevenly (llama_cpp.server with a 500, which the client
+    would get as a 502), so the types and ranges OpenAI's API defines are checked here, with
+    Shoal's own request types. What an engine may support beyond Shoal's own runtimes (`n`,
+    `logprobs`, tools, penalties) is left to the engine to accept or refuse.
+    """
+    kind = _GENERATION_TYPES.get(endpoint) if endpoint is not None else None
+    if kind is None:
+        return
+    try:
+        request: Any = msgspec.json.decode(body, type=kind)
+    except (msgspec.ValidationError, msgspec.DecodeError) as err:
+        error = invalid_body(err)
+        if error.param is None and "missing required field `" in str(err):
+            # A top-level field: msgspec gives no `$.` path, only its name.
+            error.param = str(err).split("missing required field `", 1)[1].split("`", 1)[0]
+        raise error from None
+    if isinstance(request, EmbeddingsRequest):
+        if not request.input:
+            raise ApiError(400, "'input' must not be empty", param="input")
+        return
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = getattr(request, name, None)
+        if value is not None and value < 1:
+            raise ApiError(400, f"'{name}' must be at least 1 (got {value})", param=name)
+    if not 0.0 <= request.temperature <= 2.0:
+        raise ApiError(400, "'temperature' must be between 0 and 2", param="temperature")
+    if not 0.0 < request.top_p <= 1.0:
+        raise ApiError(400, "'top_p' must be greater than 0 and at most 1", param="top_p")
+    if isinstance(request, ChatRequest):
+        if not request.messages:
+            raise ApiError(400, "'messages' must not be empty", param="messages")
+    elif not request.prompt:
+        raise ApiError(400, "'prompt' must not be empty", param="prompt")
