@@ -100,6 +100,11 @@ class GatewaySettings:
     # gateway listens on loopback only, "required" always, "off" never (`--no-auth`).
     api_keys: str = "auto"
     http_timeouts: HttpTimeouts = field(default_factory=HttpTimeouts)
+    # How long an Idempotency-Key's answer is kept (`SHOAL_IDEMPOTENCY_WINDOW`, seconds): the
+    # TTL of the bucket, set by the gateway that creates it.
+    idempotency_window_s: float = field(
+        default_factory=lambda: env_default("IDEMPOTENCY_WINDOW", 600.0)
+    )
 
 
 def default_memory_budget_mb() -> float:

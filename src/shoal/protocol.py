@@ -127,6 +127,9 @@ class WorkRequest(msgspec.Struct, array_like=True, frozen=True):
     # Set when the body was too large for a work message: it waits in the object store under
     # this key (broker/bodies.py) and `body` is empty.
     body_key: str = ""
+    # The client's Idempotency-Key, as the key of its record (state/idempotency.py): the
+    # worker keeps its answer there.
+    idempotency_key: str = ""
 
 
 class WorkEnvelope(msgspec.Struct, array_like=True, frozen=True):

@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 from nats.aio.client import Client
+from nats.js.kv import KeyValue
 
 from shoal.api.errors import ApiError
 from shoal.api.models import encode_model_list
@@ -60,6 +61,17 @@ from shoal.protocol import (
     work_subject,
 )
 from shoal.state.deployments import ModelDirectory
+from shoal.state.idempotency import (
+    ABANDONED_AFTER_S,
+    answer_body,
+    claim,
+    ensure_idempotency_kv,
+    pending_record,
+    record_key,
+    release,
+    take_over,
+    wait_for_change,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +85,8 @@ _CLIENT_CLOSED = 499  # nginx's status for "client closed request": metrics only
 # A request that waits longer than this for its result starts watching for its client's
 # disconnect (gateway/streaming.py, LateDisconnectWatch).
 DISCONNECT_WATCH_AFTER_S = 0.2
+# Stripe's limit; a key is a client's request id, not a payload.
+MAX_IDEMPOTENCY_KEY_CHARS = 255
 # Answered before the body was read to its end: the connection cannot carry another request.
 _UNREAD_BODY = (408, 413)
 _ROUTE_OF_TASK = {
@@ -102,6 +116,7 @@ class Gateway:
         self._nc: Client | None = None
         self._js = None
         self._bodies: BodyStore | None = None  # large request bodies (broker/bodies.py)
+        self._idempotency: KeyValue | None = None  # opened at the first Idempotency-Key
         self._ready = asyncio.Event()
         self._connect_task: asyncio.Task[None] | None = None
         self._openapi_document = load_document()  # static: built from shoal.api's types
@@ -246,9 +261,22 @@ class Gateway:
                 auth.authorize(key_id, fields.model)
             self._check_model(fields.model, endpoint)
             model_label = fields.model
+            client_key = _header(scope["headers"], b"idempotency-key")
             # Embeddings and rerank are never streamed.
             if fields.stream and endpoint not in (Endpoint.EMBEDDINGS, Endpoint.RERANK):
+                if client_key is not None:
+                    raise ApiError(
+                        400,
+                        "Idempotency-Key is not supported on streamed requests",
+                        param="Idempotency-Key",
+                    )
                 status = await self._stream(fields.model, endpoint, body, receive, send)
+            elif client_key is not None:
+                principal = key_id or ""
+                status, payload, replayed = await self._idempotent(
+                    fields.model, endpoint, body, receive, client_key, principal
+                )
+                await _respond(send, status, payload, extra_headers=_replayed(replayed))
             else:
                 status, payload = await self._dispatch(fields.model, endpoint, body, receive)
                 await _respond(send, status, payload)
@@ -279,11 +307,22 @@ class Gateway:
             )
 
     def _work_request(
-        self, request_id: str, endpoint: Endpoint, body: bytes, stream: bool
+        self,
+        request_id: str,
+        endpoint: Endpoint,
+        body: bytes,
+        stream: bool,
+        idempotency_key: str = "",
     ) -> WorkRequest:
         deadline = now_ms() + int(self.settings.request_timeout_s * 1000)
         return WorkRequest(
-            request_id, endpoint.value, deadline, estimate_tokens(body), body, stream=stream
+            request_id,
+            endpoint.value,
+            deadline,
+            estimate_tokens(body),
+            body,
+            stream=stream,
+            idempotency_key=idempotency_key,
         )
 
     async def _queue(self, model: str, endpoint: Endpoint, request: WorkRequest) -> None:
@@ -326,21 +365,26 @@ class Gateway:
         return js
 
     async def _dispatch(
-        self, model: str, endpoint: Endpoint, body: bytes, receive: Receive
+        self,
+        model: str,
+        endpoint: Endpoint,
+        body: bytes,
+        receive: Receive,
+        request_id: str = "",
+        idempotency_key: str = "",
     ) -> tuple[int, bytes]:
         """Queue one request and wait for its result; returns (HTTP status, response body).
 
         A client that disconnects while waiting cancels the request: its work is dropped
         before it runs, or stopped at the next step of a generation.
         """
-        request_id = uuid.uuid4().hex
+        request_id = request_id or uuid.uuid4().hex
         timeout_s = self.settings.request_timeout_s
         future = self.replies.expect(request_id)
         watch = LateDisconnectWatch(receive, future, DISCONNECT_WATCH_AFTER_S)
         try:
-            await self._queue(
-                model, endpoint, self._work_request(request_id, endpoint, body, False)
-            )
+            request = self._work_request(request_id, endpoint, body, False, idempotency_key)
+            await self._queue(model, endpoint, request)
             reply = await asyncio.wait_for(future, timeout_s)
         except TimeoutError:
             raise ApiError(504, f"No result within {timeout_s:g} s", code="timeout") from None
@@ -351,6 +395,80 @@ class Gateway:
             self.replies.forget(request_id)
             watch.close()
         return reply.status, reply.body
+
+    async def _idempotent(
+        self,
+        model: str,
+        endpoint: Endpoint,
+        body: bytes,
+        receive: Receive,
+        client_key: str,
+        principal: str,
+    ) -> tuple[int, bytes, bool]:
+        """A request with an Idempotency-Key: (status, body, whether it is a replay).
+
+        The first request with a key claims it and runs; the same key with the same body,
+        at any gateway within the window, gets the first answer (waiting for it while it
+        runs); with another body, a 422 (state/idempotency.py).
+        """
+        if not 0 < len(client_key) <= MAX_IDEMPOTENCY_KEY_CHARS:
+            raise ApiError(
+                400,
+                f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY_CHARS} characters",
+                param="Idempotency-Key",
+            )
+        kv = await self._idempotency_kv()
+        key = record_key(client_key, endpoint.value, principal)
+        timeout_s = self.settings.request_timeout_s
+        give_up = time.monotonic() + timeout_s
+        while True:
+            request_id = uuid.uuid4().hex
+            pending = pending_record(body, request_id, now_ms() + int(timeout_s * 1000))
+            held = await claim(kv, key, pending)
+            if held is not None:
+                record, revision = held
+                if record.body_hash != pending.body_hash:
+                    raise ApiError(
+                        422,
+                        "This Idempotency-Key was used with another request body",
+                        param="Idempotency-Key",
+                        code="idempotency_key_reused",
+                    )
+                if record.done:
+                    answer = await answer_body(self._store(), key, record)
+                    if answer is not None:
+                        return record.status, answer, True
+                if not (record.done or record.abandoned(now_ms())):
+                    # Running elsewhere: wait for its answer, or until it is abandoned.
+                    until_abandoned = (record.deadline_ms - now_ms()) / 1000 + ABANDONED_AFTER_S
+                    wait_s = min(give_up - time.monotonic(), max(0.05, until_abandoned))
+                    if wait_s <= 0:
+                        raise ApiError(504, f"No result within {timeout_s:g} s", code="timeout")
+                    await wait_for_change(kv, key, revision, wait_s)
+                    continue
+                if not await take_over(kv, key, pending, revision):
+                    continue  # another retry took it over first
+            try:
+                status, payload = await self._dispatch(
+                    model, endpoint, body, receive, request_id, idempotency_key=key
+                )
+            except ApiError as err:
+                if err.status != 504:  # not queued, or told to retry: the key is free again
+                    await release(kv, key)
+                raise
+            except ClientGone:
+                await release(kv, key)  # cancelled: a retry runs it anew
+                raise
+            return status, payload, False
+
+    async def _idempotency_kv(self) -> KeyValue:
+        self._connected_js()
+        if self._idempotency is None:
+            assert self._js is not None
+            self._idempotency = await ensure_idempotency_kv(
+                self._js, self.settings.idempotency_window_s
+            )
+        return self._idempotency
 
     async def _stream(
         self, model: str, endpoint: Endpoint, body: bytes, receive: Receive, send: Send
@@ -464,31 +582,36 @@ class Gateway:
 async def _read_body(receive: Receive, settings: GatewaySettings) -> bytes:
     """The whole body: 413 past `max_body_bytes`, 408 when it takes longer than its timeout.
 
-    Neither server times out a body that trickles in (uvicorn times out only idle keep-alive
-    connections, granian only headers), so a slow client would hold its connection forever.
+    Under uvicorn the protocol times a trickling body out where the bytes arrive, with no
+    timer for a body that came whole (http_protocol.py); granian has no body timeout, so
+    there the app sets one.
     """
-    limit, timeout_s = settings.max_body_bytes, settings.http_timeouts.body_s
-    chunks: list[bytes] = []
-    size = 0
+    if settings.http_server == "uvicorn":
+        return await _receive_body(receive, settings.max_body_bytes)
+    timeout_s = settings.http_timeouts.body_s
     try:
         async with asyncio.timeout(timeout_s):
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    raise ApiError(400, "The client disconnected before sending the body")
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > limit:
-                    raise ApiError(
-                        413, f"The request body is larger than the limit of {limit} bytes"
-                    )
-                chunks.append(chunk)
-                if not message.get("more_body", False):
-                    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            return await _receive_body(receive, settings.max_body_bytes)
     except TimeoutError:
         raise ApiError(
             408, f"The request body did not arrive within {timeout_s:g} s", code="body_timeout"
         ) from None
+
+
+async def _receive_body(receive: Receive, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ApiError(400, "The client disconnected before sending the body")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"The request body is larger than the limit of {limit} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _retry_after_on_503(send: Send) -> Send:
@@ -500,6 +623,18 @@ def _retry_after_on_503(send: Send) -> Send:
         await send(message)
 
     return wrapped
+
+
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
+    """A request header's value (names arrive lower-cased from the server); None if absent."""
+    for key, value in headers:
+        if key == name:
+            return value.decode("latin-1").strip()
+    return None
+
+
+def _replayed(replayed: bool) -> list[tuple[bytes, bytes]]:
+    return [(b"idempotent-replayed", b"true")] if replayed else []
 
 
 async def _respond(

@@ -1,23 +1,29 @@
-"""uvicorn's httptools protocol with the limits it lacks: header read timeout, header size.
+"""uvicorn's httptools protocol with the limits it lacks: read timeouts, header size.
 
 uvicorn times out only idle keep-alive connections; a client that sends its request line and
-then a header a second (slowloris) held its connection forever, and httptools buffers a
-header of any length. This protocol closes a connection whose headers are not complete
-within `HttpTimeouts.header_s` of its start or of its request's first byte (408), or whose
+then a header a second (slowloris), or a body a byte a second, held its connection forever,
+and httptools buffers a header of any length. This protocol closes a connection whose headers
+are not complete within `HttpTimeouts.header_s` of its start or of its request's first byte,
+or whose body is not complete within `HttpTimeouts.body_s` of its headers (408), or whose
 headers pass `MAX_HEADER_BYTES` (431), and answers a request it cannot parse with a 400: all
-three in the OpenAI error shape, as the app's own errors are. The body's read timeout is the
-app's (gateway/app.py), since the app reads the body.
+in the OpenAI error shape, as the app's own errors are.
+
+A timer is armed only for a request that is still incomplete when a read has been parsed:
+nearly every request arrives whole in one read and costs no timer at all (a timer armed and
+cancelled per request, and the app's own body timeout, cost ~7 us a request: bench.hotpath).
 """
 
 from __future__ import annotations
 
 import asyncio
+from enum import Enum
 from functools import partial
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from shoal.api.errors import ApiError
+from shoal.config import HttpTimeouts
 
 # nginx allows 4 x 8 KiB of headers and Node.js 16 KiB; a request's headers here are a few
 # hundred bytes (an API key, a content type).
@@ -31,75 +37,94 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     own keyword arguments only, and a partial of this class pickles into worker processes.
     """
 
-    def __init__(self, *args: Any, header_timeout_s: float, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, header_timeout_s: float, body_timeout_s: float, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.header_timeout_s = header_timeout_s
-        self._header_timer: asyncio.TimerHandle | None = None
-        self._reading_headers = True
+        self.body_timeout_s = body_timeout_s
+        self._timer: asyncio.TimerHandle | None = None
+        self._reading = _Reading.HEADERS
         self._header_bytes = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._arm_header_timer()
+        self._arm_timer()  # a connection that sends nothing at all
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm_header_timer()
+        self._disarm_timer()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._reading_headers:
+        if self._reading is _Reading.HEADERS:
             self._header_bytes += len(data)
         super().data_received(data)
+        if self.transport.is_closing():
+            return
         # Checked after parsing, so that a body that came in the same read does not count.
-        if (
-            self._reading_headers
-            and self._header_bytes > MAX_HEADER_BYTES
-            and not self.transport.is_closing()
-        ):
+        if self._reading is _Reading.HEADERS and self._header_bytes > MAX_HEADER_BYTES:
             self._reply_and_close(
-                431, f"The request's headers are larger than {MAX_HEADER_BYTES} bytes"
+                431,
+                f"The request's headers are larger than {MAX_HEADER_BYTES} bytes",
+                "headers_too_large",
             )
+        elif self._reading is not _Reading.DONE and self._timer is None:
+            self._arm_timer()  # a request still incomplete after this read: a slow one
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._reading_headers = True
+        self._reading = _Reading.HEADERS
         self._header_bytes = 0
-        if self._header_timer is None:  # a keep-alive connection's next request
-            self._arm_header_timer()
 
     def on_headers_complete(self) -> None:
-        self._reading_headers = False
-        self._disarm_header_timer()
+        self._reading = _Reading.BODY
+        self._disarm_timer()
         super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._reading = _Reading.DONE
+        self._disarm_timer()
+        super().on_message_complete()
 
     def send_400_response(self, msg: str) -> None:
         # uvicorn's own 400 is plain text; the message names no detail either way.
-        self._reply_and_close(400, "The request is not valid HTTP/1.1")
+        self._reply_and_close(400, "The request is not valid HTTP/1.1", "invalid_http")
 
-    def _arm_header_timer(self) -> None:
-        self._disarm_header_timer()
-        self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_timed_out)
+    def _arm_timer(self) -> None:
+        self._disarm_timer()
+        reading_body = self._reading is _Reading.BODY
+        seconds = self.body_timeout_s if reading_body else self.header_timeout_s
+        self._timer = self.loop.call_later(seconds, self._timed_out)
 
-    def _disarm_header_timer(self) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
+    def _disarm_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
-    def _headers_timed_out(self) -> None:
-        self._header_timer = None
-        if self.transport.is_closing() or not self._reading_headers:
+    def _timed_out(self) -> None:
+        self._timer = None
+        if self.transport.is_closing() or self._reading is _Reading.DONE:
+            return
+        if self._reading is _Reading.BODY:
+            self._reply_and_close(
+                408,
+                f"The request body did not arrive within {self.body_timeout_s:g} s",
+                "body_timeout",
+            )
             return
         if self.cycle is not None and not self.cycle.response_complete:
             # A pipelined request behind one still being answered: closing now would cut that
             # answer off, so wait; the answer itself is bounded by the request timeout.
-            self._arm_header_timer()
+            self._arm_timer()
             return
         self._reply_and_close(
-            408, f"The request's headers did not arrive within {self.header_timeout_s:g} s"
+            408,
+            f"The request's headers did not arrive within {self.header_timeout_s:g} s",
+            "header_timeout",
         )
 
-    def _reply_and_close(self, status: int, message: str) -> None:
-        body = ApiError(status, message, code=_CODES.get(status)).body()
+    def _reply_and_close(self, status: int, message: str, code: str) -> None:
+        body = ApiError(status, message, code=code).body()
         head = [
             STATUS_LINE[status],
             b"content-type: application/json\r\n",
@@ -117,9 +142,16 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
-def protocol_factory(header_timeout_s: float) -> Any:
+def protocol_factory(timeouts: HttpTimeouts) -> Any:
     """What `uvicorn.Config(http=...)` takes: builds one guarded protocol per connection."""
-    return partial(GuardedHttpToolsProtocol, header_timeout_s=header_timeout_s)
+    return partial(
+        GuardedHttpToolsProtocol,
+        header_timeout_s=timeouts.header_s,
+        body_timeout_s=timeouts.body_s,
+    )
 
 
-_CODES = {400: "invalid_http", 408: "header_timeout", 431: "headers_too_large"}
+class _Reading(Enum):
+    HEADERS = 1
+    BODY = 2
+    DONE = 3  # the whole request is in; a keep-alive connection waits for the next

@@ -32,6 +32,7 @@ def build_document() -> dict[str, Any]:
     """The document from the API's types as they are now (imports numpy: not in the gateway)."""
     from shoal.api import admin, embeddings, generation, models, rerank
     from shoal.api.errors import ErrorBody
+    from shoal.gateway.dashboard import DashboardSnapshot
     from shoal.protocol import ModelSpec
     from shoal.state.fleet import ModelView
 
@@ -78,6 +79,7 @@ def build_document() -> dict[str, Any]:
         "AdminModels": admin_models,
         "Health": health,
         "ErrorBody": ErrorBody,
+        "DashboardSnapshot": DashboardSnapshot,
     }
     _, schemas = msgspec.json.schema_components(named.values(), ref_template=_REF)
     missing = set(named) - set(schemas)
@@ -177,6 +179,25 @@ def _paths() -> dict[str, Any]:
         "/openapi.json": {
             "get": _operation(
                 "openapi", "This document", None, {"application/json": {"schema": {}}}
+            )
+        },
+        "/dashboard": {
+            "get": _operation(
+                "dashboard",
+                "The fleet dashboard: a page that polls /dashboard/data (no data of its own)",
+                None,
+                {"text/html": {"schema": {"type": "string"}}},
+            )
+        },
+        "/dashboard/data": {
+            "get": _operation(
+                "dashboardData",
+                "The fleet now: workers, backlog, rates and latency over the last seconds "
+                "(the admin token when the gateway has one)",
+                None,
+                _json(_ref("DashboardSnapshot")),
+                (401, 503),
+                security=[{"adminToken": []}, {}],
             )
         },
         "/admin/models": {

@@ -1,7 +1,8 @@
 """Serving the gateway app over HTTP (uvicorn with uvloop and httptools, or granian).
 
-Both read a request's headers within `HttpTimeouts.header_s` or close the connection; the
-body's timeout is the app's, as the app reads the body (gateway/app.py).
+Both read a request's headers within `HttpTimeouts.header_s` or close the connection. The
+body's timeout is uvicorn's protocol's (http_protocol.py); under granian, which has none, the
+app times the body out as it reads it (gateway/app.py).
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ def _serve_uvicorn(settings: GatewaySettings) -> None:
         "host": settings.host,
         "port": settings.port,
         "loop": "uvloop",
-        # httptools, with a header read timeout and a header size limit (http_protocol.py).
-        "http": protocol_factory(settings.http_timeouts.header_s),
+        # httptools, with header and body read timeouts and a header size limit
+        # (http_protocol.py).
+        "http": protocol_factory(settings.http_timeouts),
         "ws": "none",  # no WebSocket routes: an upgrade request is an ordinary request
         "lifespan": "on",
         "access_log": False,

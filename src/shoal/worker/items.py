@@ -48,6 +48,7 @@ class WorkItem:
     body: bytes = b""
     stream: bool = False
     body_key: str = ""  # its body came through the object store (broker/bodies.py)
+    idempotency_key: str = ""  # its answer is kept for retries (state/idempotency.py)
     deliveries: int = 1
     adapter: str | None = None  # the LoRA deployment it was sent to, served by its base
     # Running alone when a worker stopped on an earlier delivery (state/attempts.py): it
@@ -69,6 +70,7 @@ class WorkItem:
             body=request.body,
             stream=request.stream,
             body_key=request.body_key,
+            idempotency_key=request.idempotency_key,
             deliveries=message.deliveries,
         )
 

@@ -19,10 +19,12 @@ from collections.abc import Iterable, Iterator
 
 import msgspec
 from nats.aio.client import Client
+from nats.js.kv import KeyValue
 
 from shoal.broker.bodies import BodyStore
 from shoal.observability.metrics import WorkerMetrics
 from shoal.protocol import Result, ResultBatch, encode_msgpack
+from shoal.state.idempotency import open_idempotency_kv, pending_record, store_answer
 from shoal.worker.items import Reply, WorkItem, WorkMessage
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,7 @@ class Outbox:
         self.bodies = BodyStore(nc.jetstream())
         self._sender = uuid.uuid4().hex[:12]  # tags the parts of large bodies
         self._deleting: set[asyncio.Task[None]] = set()
+        self._idempotency: KeyValue | None = None  # opened on first use
 
     async def reply(self, item: WorkItem, reply: Reply) -> None:
         """The one and only answer to a request."""
@@ -50,12 +53,37 @@ class Outbox:
     async def replies(self, answers: Iterable[tuple[WorkItem, Reply]]) -> None:
         """The answers to many requests: one message per gateway."""
         by_gateway: dict[str, list[Result]] = {}
+        kept: list[tuple[WorkItem, Reply]] = []
         for item, reply in answers:
             self._metrics.count_item(reply.status)
             result = Result(item.request_id, reply.status, reply.body)
             by_gateway.setdefault(item.reply_to, []).append(result)
+            if item.idempotency_key:
+                kept.append((item, reply))
         for reply_to, results in by_gateway.items():
             await self._publish(reply_to, results)
+        for item, reply in kept:  # before the ack: a retry finds the answer, not the work
+            await self._keep_answer(item, reply)
+
+    async def _keep_answer(self, item: WorkItem, reply: Reply) -> None:
+        """Keep an idempotent request's answer for its retries (state/idempotency.py). A 5xx
+        is not kept: it says "try again", and the retry should run the request anew."""
+        if reply.status >= 500:
+            return
+        try:
+            if self._idempotency is None:
+                self._idempotency = await open_idempotency_kv(self._nc.jetstream())
+            pending = pending_record(item.body, item.request_id, item.deadline_ms)
+            await store_answer(
+                self._idempotency,
+                self.bodies,
+                item.idempotency_key,
+                pending,
+                reply.status,
+                reply.body,
+            )
+        except Exception as err:  # the retry runs the request again after its deadline
+            log.warning("keeping the answer to %s failed: %s", item.request_id, err)
 
     async def chunk(self, item: WorkItem, seq: int, body: bytes) -> None:
         """Chunk `seq` (from 0) of a streamed answer."""
