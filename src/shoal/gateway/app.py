@@ -38,6 +38,7 @@ from shoal.gateway.admin import PREFIX as ADMIN_PREFIX
 from shoal.gateway.admin import check_token, handle_admin
 from shoal.gateway.auth import auth_for
 from shoal.gateway.committer import GroupCommitter
+from shoal.gateway.dashboard import DATA_PATH, PAGE_PATH, Dashboard
 from shoal.gateway.openapi import load_document
 from shoal.gateway.readiness import Readiness
 from shoal.gateway.replies import ReplyRouter
@@ -120,6 +121,13 @@ class Gateway:
         self._ready = asyncio.Event()
         self._connect_task: asyncio.Task[None] | None = None
         self._openapi_document = load_document()  # static: built from shoal.api's types
+        self.dashboard = Dashboard(
+            self.gateway_id,
+            settings.admin_token,
+            self.metrics,
+            self.directory.all,
+            self._connected_js,
+        )
         self._routes: dict[tuple[str, str], Callable[[Scope, Receive, Send], Awaitable[None]]] = {
             ("POST", "/v1/embeddings"): partial(self._inference, Endpoint.EMBEDDINGS),
             ("POST", "/v1/completions"): partial(self._inference, Endpoint.COMPLETIONS),
@@ -130,6 +138,8 @@ class Gateway:
             ("GET", "/readyz"): self._readyz,
             ("GET", "/metrics"): self._metrics,
             ("GET", "/openapi.json"): self._openapi,
+            ("GET", PAGE_PATH): self.dashboard.page,  # read-only (gateway/dashboard.py)
+            ("GET", DATA_PATH): self.dashboard.data,
         }
         self._paths = {path for _, path in self._routes}
 
