@@ -1,0 +1,210 @@
+"""Soak: a steady open-loop load at a fraction of saturation for many minutes; is anything growing?
+
+    python -m bench.soak [--minutes 10] [--load 0.8] [--model all-MiniLM-L6-v2]
+        [--window-s 60] [--saturation-s 15] [--out soak]
+
+One `shoal up` (embedded nats-server, one gateway, one worker) serving `--model`. First a
+closed-loop run (64 connections, `--saturation-s`) finds the cluster's saturation rate; then
+Poisson arrivals at `--load` x that rate, in back-to-back windows of `--window-s`, for
+`--minutes`. Each window reports its p50/p99, errors (anything but a 200) and lost requests
+(sent but never answered); the resident memory (RSS) of every process `shoal up` started is
+sampled every few seconds, by component (gateway, worker, nats, supervisor).
+
+Growth is judged after warm-up: each component's RSS at the end of the first window against
+its RSS at the end of the run (`--max-growth`, 10% by default). The run's verdict lists
+every component over that bound, every window with errors or lost requests, and whether the
+p99 of the last windows stays within 2x of the first full window's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+from pathlib import Path
+
+from bench.harness import UpCluster, component_tree, machine_facts, write_result
+from bench.loadgen import LoadSpec, run_load
+
+RSS_SAMPLE_S = 5.0
+P99_DRIFT_BOUND = 2.0
+
+
+def rss_mb(pid: int) -> float:
+    """A process's resident memory in MB; 0 once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def component_rss(up: UpCluster) -> dict[str, float]:
+    """RSS in MB of each component of a running `shoal up`, its processes added up."""
+    assert up.process is not None
+    totals: dict[str, float] = {}
+    for pid, name in component_tree(up.process.pid).items():
+        totals[name] = totals.get(name, 0.0) + rss_mb(pid)
+    return totals
+
+
+class RssSampler(threading.Thread):
+    """Samples `component_rss` every `interval_s` until stopped."""
+
+    def __init__(self, up: UpCluster, interval_s: float) -> None:
+        super().__init__(daemon=True)
+        self._up = up
+        self._interval_s = interval_s
+        self._halt = threading.Event()
+        self.samples: list[tuple[float, dict[str, float]]] = []
+        self._t0 = time.monotonic()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            self.samples.append((time.monotonic() - self._t0, component_rss(self._up)))
+            self._halt.wait(self._interval_s)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
+        self.samples.append((time.monotonic() - self._t0, component_rss(self._up)))
+
+    def at(self, elapsed_s: float) -> dict[str, float]:
+        """The last sample taken at or before `elapsed_s`."""
+        chosen = self.samples[0][1]
+        for when, rss in self.samples:
+            if when > elapsed_s:
+                break
+            chosen = rss
+        return chosen
+
+
+def saturation_rps(url: str, model: str, seconds: float) -> float:
+    """Requests answered per second by a closed loop of 64 connections."""
+    result = run_load(
+        LoadSpec(url=url, model=model, mode="closed", connections=64, seconds=seconds)
+    )
+    return result.rps
+
+
+def soak(args: argparse.Namespace) -> dict:
+    windows = max(1, round(args.minutes * 60 / args.window_s))
+    with UpCluster("--model", args.model) as up:
+        run_load(LoadSpec(url=up.url, model=args.model, mode="closed", seconds=3))  # warm
+        saturation = saturation_rps(up.url, args.model, args.saturation_s)
+        rate = args.load * saturation
+        print(f"saturation {saturation:.0f} req/s; offering {rate:.0f} req/s ({args.load:g})")
+        sampler = RssSampler(up, min(RSS_SAMPLE_S, args.window_s / 2))
+        sampler.start()
+        started = time.monotonic()
+        results = []
+        ends: list[float] = []
+        for index in range(windows):
+            spec = LoadSpec(
+                url=up.url,
+                model=args.model,
+                mode="open",
+                rate=rate,
+                seconds=args.window_s,
+                seed=index + 1,
+            )
+            result = run_load(spec)
+            ends.append(time.monotonic() - started)
+            results.append(result)
+            lost = result.sent - result.answered
+            print(
+                f"window {index + 1:>3}/{windows}: {result.rps:7.1f} req/s, p50 "
+                f"{result.p50_ms:7.1f} ms, p99 {result.p99_ms:7.1f} ms, errors {result.errors}, "
+                f"lost {lost}, rss {_rss_line(sampler.at(ends[-1]))}"
+            )
+        sampler.stop()
+    return _verdict(args, saturation, rate, results, ends, sampler)
+
+
+def _rss_line(rss: dict[str, float]) -> str:
+    return ", ".join(f"{name} {mb:.0f} MB" for name, mb in sorted(rss.items()))
+
+
+def _verdict(
+    args: argparse.Namespace,
+    saturation: float,
+    rate: float,
+    results: list,
+    ends: list[float],
+    sampler: RssSampler,
+) -> dict:
+    after_warmup, final = sampler.at(ends[0]), sampler.samples[-1][1]
+    growth = {name: (final.get(name, 0.0) - mb) / mb for name, mb in after_warmup.items() if mb > 0}
+    p99s = [result.p99_ms for result in results]
+    baseline = p99s[1] if len(p99s) > 2 else p99s[0]  # the first window warms caches
+    tail = p99s[-3:]
+    failures = []
+    for name, rise in sorted(growth.items()):
+        if rise > args.max_growth:
+            failures.append(f"{name} RSS grew {100 * rise:.1f}% after warm-up")
+    for index, result in enumerate(results, 1):
+        if result.errors or result.sent != result.answered:
+            failures.append(
+                f"window {index}: {result.errors} errors, {result.sent - result.answered} lost"
+            )
+    if statistics.median(tail) > P99_DRIFT_BOUND * baseline:
+        failures.append(f"p99 drifted: {baseline:.1f} ms -> {tail} ms")
+    summary = {
+        "machine": machine_facts(),
+        "model": args.model,
+        "minutes": args.minutes,
+        "load": args.load,
+        "saturation_rps": saturation,
+        "offered_rps": rate,
+        "windows": [
+            {
+                "end_s": end,
+                "rps": r.rps,
+                "p50_ms": r.p50_ms,
+                "p99_ms": r.p99_ms,
+                "errors": r.errors,
+                "lost": r.sent - r.answered,
+            }
+            for r, end in zip(results, ends, strict=True)
+        ],
+        "rss_after_warmup_mb": after_warmup,
+        "rss_final_mb": final,
+        "rss_growth": growth,
+        "rss_samples": sampler.samples,
+        "errors": sum(r.errors for r in results),
+        "lost": sum(r.sent - r.answered for r in results),
+        "failures": failures,
+        "passed": not failures,
+    }
+    print(
+        "RSS after warm-up -> end: "
+        + ", ".join(
+            f"{name} {after_warmup.get(name, 0):.0f} -> {final.get(name, 0):.0f} MB "
+            f"({100 * growth.get(name, 0):+.1f}%)"
+            for name in sorted(final)
+        )
+    )
+    print("PASSED" if not failures else "FAILED:\n  " + "\n  ".join(failures))
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--load", type=float, default=0.8, help="fraction of saturation")
+    parser.add_argument("--model", default="all-MiniLM-L6-v2")
+    parser.add_argument("--window-s", type=float, default=60.0)
+    parser.add_argument("--saturation-s", type=float, default=15.0)
+    parser.add_argument("--max-growth", type=float, default=0.10, help="RSS growth allowed")
+    parser.add_argument("--out", default="soak", help="result name or path")
+    args = parser.parse_args()
+    summary = soak(args)
+    print(f"wrote {write_result(args.out, summary)}")
+    raise SystemExit(0 if summary["passed"] else 1)
+
+
+if __name__ == "__main__":
+    main()
