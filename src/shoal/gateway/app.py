@@ -45,8 +45,8 @@ from shoal.gateway.replies import ReplyRouter
 from shoal.gateway.routing import estimate_tokens, read_routing_fields
 from shoal.gateway.streaming import (
     ClientGone,
-    LateDisconnectWatch,
     StreamRelay,
+    WaitingRequests,
     wait_for_disconnect,
 )
 from shoal.observability.metrics import GatewayMetrics
@@ -84,7 +84,7 @@ _JSON = (b"content-type", b"application/json")
 _TEXT = (b"content-type", b"text/plain; version=0.0.4; charset=utf-8")
 _CLIENT_CLOSED = 499  # nginx's status for "client closed request": metrics only
 # A request that waits longer than this for its result starts watching for its client's
-# disconnect (gateway/streaming.py, LateDisconnectWatch).
+# disconnect (gateway/streaming.py, WaitingRequests).
 DISCONNECT_WATCH_AFTER_S = 0.2
 # Stripe's limit; a key is a client's request id, not a payload.
 MAX_IDEMPOTENCY_KEY_CHARS = 255
@@ -106,6 +106,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.replies = ReplyRouter(reply_subject(self.gateway_id), self.metrics.dropped_replies.inc)
         self.committer = GroupCommitter(self.replies.subject, self._publish)
+        self.waiting = WaitingRequests(DISCONNECT_WATCH_AFTER_S)
         self.directory = ModelDirectory()
         self.readiness = Readiness(self.directory)
         # Done the moment the connection to NATS drops (a new one after each reconnect):
@@ -149,6 +150,7 @@ class Gateway:
         self._connect_task = asyncio.create_task(self._connect())
 
     async def shutdown(self) -> None:
+        self.waiting.stop()
         if self._connect_task is not None:
             self._connect_task.cancel()
         await self.directory.stop()
@@ -391,11 +393,11 @@ class Gateway:
         request_id = request_id or uuid.uuid4().hex
         timeout_s = self.settings.request_timeout_s
         future = self.replies.expect(request_id)
-        watch = LateDisconnectWatch(receive, future, DISCONNECT_WATCH_AFTER_S)
+        self.waiting.add(future, receive, timeout_s)  # its deadline, its client leaving
         try:
             request = self._work_request(request_id, endpoint, body, False, idempotency_key)
             await self._queue(model, endpoint, request)
-            reply = await asyncio.wait_for(future, timeout_s)
+            reply = await future
         except TimeoutError:
             raise ApiError(504, f"No result within {timeout_s:g} s", code="timeout") from None
         except ClientGone:
@@ -403,7 +405,7 @@ class Gateway:
             raise
         finally:
             self.replies.forget(request_id)
-            watch.close()
+            self.waiting.remove(future)
         return reply.status, reply.body
 
     async def _idempotent(
