@@ -25,6 +25,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from shoal.state.deployments import ModelDirectory
+from shoal.state.kv import follow, is_removal
 from shoal.state.workers import (
     WORKER_STATUS_TTL_S,
     WorkerState,
@@ -37,7 +38,6 @@ log = logging.getLogger(__name__)
 
 # Workers report once a second (worker/sidecar.py): three missed reports is a dead worker.
 STALE_S = 3.5
-_DELETE_OPS = {"DEL", "PURGE"}
 
 
 @dataclass(slots=True)
@@ -54,6 +54,7 @@ class Readiness:
         self._seen: dict[str, _Seen] = {}  # by KV key: <worker id>.<model token>
         self._task: asyncio.Task[None] | None = None
         self._watcher = None
+        self._replaying = True
 
     async def start(self, js: JetStreamContext) -> None:
         """Watch the bucket (again, after a reconnect: the old watch may have lost its
@@ -61,7 +62,8 @@ class Readiness:
         report)."""
         await self.stop()
         self._watcher = await (await ensure_workers_kv(js)).watchall()
-        self._task = asyncio.create_task(self._follow(self._watcher))
+        self._replaying = True  # the bucket's current values come first
+        self._task = asyncio.create_task(follow(self._watcher, self._on_entry, "worker status"))
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -92,35 +94,23 @@ class Readiness:
         """The pinned models without a READY worker, sorted."""
         return sorted(model for model, ready in self.ready_workers().items() if not ready)
 
-    async def _follow(self, watcher) -> None:
-        replaying = True  # the bucket's current values come first, then a None
-        while True:
-            try:
-                entry = await watcher.updates(timeout=None)
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:
-                log.debug("worker status watch: %s", err)
-                await asyncio.sleep(0.5)
-                continue
-            if entry is KeyValue.KeyWatcher.STOP_ITER:
-                return
-            if entry is None:
-                replaying = False
-                continue
-            if entry.operation in _DELETE_OPS or not entry.value:
-                self._seen.pop(entry.key, None)
-                continue
-            try:
-                status = decode_worker_status(entry.value)
-            except Exception as err:
-                log.debug("ignoring an unreadable worker status %s: %s", entry.key, err)
-                continue
-            now = time.monotonic()
-            at = now
-            if replaying and entry.created is not None:
-                # A report replayed when the watch began may be old (its worker may be dead):
-                # date it by when it was stored. Live updates are dated by their arrival, so a
-                # clock difference with the server matters only until the next report.
-                at = now - max(0.0, time.time() - entry.created.timestamp())
-            self._seen[entry.key] = _Seen(status, at)
+    def _on_entry(self, entry: KeyValue.Entry | None) -> None:
+        if entry is None:  # the bucket's current values have been replayed
+            self._replaying = False
+            return
+        if is_removal(entry):
+            self._seen.pop(entry.key, None)
+            return
+        try:
+            status = decode_worker_status(entry.value)
+        except Exception as err:
+            log.debug("ignoring an unreadable worker status %s: %s", entry.key, err)
+            return
+        now = time.monotonic()
+        at = now
+        if self._replaying and entry.created is not None:
+            # A report replayed when the watch began may be old (its worker may be dead):
+            # date it by when it was stored. Live updates are dated by their arrival, so a
+            # clock difference with the server matters only until the next report.
+            at = now - max(0.0, time.time() - entry.created.timestamp())
+        self._seen[entry.key] = _Seen(status, at)

@@ -33,13 +33,11 @@ from shoal.runtimes.registry import (
     check_options,
     check_runtime,
 )
-from shoal.state.kv import ensure_bucket, read_all, read_value
+from shoal.state.kv import ensure_bucket, follow, is_removal, read_all, read_value
 
 log = logging.getLogger(__name__)
 
 MODELS_BUCKET = "shoal_models"
-
-_DELETE_OPS = {"DEL", "PURGE"}
 
 
 class DeploymentError(ValueError):
@@ -197,36 +195,27 @@ class ModelDirectory:
 
     async def start(self, js: JetStreamContext) -> None:
         watcher = await (await ensure_models_kv(js)).watchall()
-        self._task = asyncio.create_task(self._follow(watcher))
+        self._task = asyncio.create_task(follow(watcher, self._on_entry, "deployment"))
 
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
 
-    async def _follow(self, watcher) -> None:
-        while True:
-            try:
-                entry = await watcher.updates(timeout=None)
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:
-                log.debug("model watch: %s", err)
-                await asyncio.sleep(0.5)
-                continue
-            if entry is None:  # the initial values have all been seen
-                self.loaded.set()
-                continue
-            if entry.operation in _DELETE_OPS or entry.value is None:
-                name = self._by_key.pop(entry.key, None)
-                if name is not None:
-                    self._models.pop(name, None)
-                    self._revisions.pop(name, None)
-                continue
-            try:
-                spec = decode_model_spec(entry.value)
-            except Exception as err:
-                log.warning("ignoring unreadable deployment %s: %s", entry.key, err)
-                continue
-            self._by_key[entry.key] = spec.name
-            self._models[spec.name] = spec
-            self._revisions[spec.name] = entry.revision
+    def _on_entry(self, entry: KeyValue.Entry | None) -> None:
+        if entry is None:  # the initial values have all been seen
+            self.loaded.set()
+            return
+        if is_removal(entry):
+            name = self._by_key.pop(entry.key, None)
+            if name is not None:
+                self._models.pop(name, None)
+                self._revisions.pop(name, None)
+            return
+        try:
+            spec = decode_model_spec(entry.value)
+        except Exception as err:
+            log.warning("ignoring unreadable deployment %s: %s", entry.key, err)
+            return
+        self._by_key[entry.key] = spec.name
+        self._models[spec.name] = spec
+        self._revisions[spec.name] = entry.revision or 0

@@ -32,7 +32,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from shoal.protocol import encode_json, is_valid_model_name, now_ms
-from shoal.state.kv import ensure_bucket, read_all, read_value
+from shoal.state.kv import ensure_bucket, follow, is_removal, read_all, read_value
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,6 @@ _ID_BYTES = 6  # 12 hex digits: ids are not secret, only unique (create retries 
 _SECRET_BYTES = 32  # 256 bits of randomness in every secret
 _VALID_ID = re.compile(r"^[0-9a-f]{12}$")
 _VALID_NAME = re.compile(r"^[\w.@:/ -]{1,128}$")
-_DELETE_OPS = {"DEL", "PURGE"}
 
 
 class ApiKeyError(ValueError):
@@ -199,18 +198,19 @@ class KeyDirectory:
         watcher = await (await ensure_keys_kv(js)).watchall()
         if self._task is not None:  # a retried start: one watch, not two
             self._task.cancel()
-        self._task = asyncio.create_task(self._follow(watcher))
+        self._task = asyncio.create_task(follow(watcher, self._on_entry, "API key"))
 
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
 
-    def _apply(self, key: str, operation: str | None, value: bytes | None) -> None:
-        if operation in _DELETE_OPS or not value:
+    def _apply(self, entry: KeyValue.Entry) -> None:
+        key = entry.key
+        if is_removal(entry):
             self._keys.pop(key, None)
             return
         try:
-            record = _decode_key(value)
+            record = _decode_key(entry.value)
             digest = bytes.fromhex(record.hash)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as err:
             # An unreadable record authorizes nothing: drop what was held under that key.
@@ -223,17 +223,8 @@ class KeyDirectory:
             return
         self._keys[key] = _Held(record, digest, frozenset(record.models))
 
-    async def _follow(self, watcher) -> None:
-        while True:
-            try:
-                entry = await watcher.updates(timeout=None)
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:
-                log.debug("key watch: %s", err)
-                await asyncio.sleep(0.5)
-                continue
-            if entry is None:  # the initial values have all been seen
-                self.loaded.set()
-                continue
-            self._apply(entry.key, entry.operation, entry.value)
+    def _on_entry(self, entry: KeyValue.Entry | None) -> None:
+        if entry is None:  # the initial values have all been seen
+            self.loaded.set()
+            return
+        self._apply(entry)

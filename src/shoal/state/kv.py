@@ -1,8 +1,11 @@
-"""What every bucket module shares: making a bucket, and reading all of its values."""
+"""What every bucket module shares: making a bucket, reading all of its values, following a
+watch."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -12,6 +15,10 @@ from nats.js.api import KeyValueConfig
 from nats.js.kv import KeyValue
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
+
+_DELETE_OPS = frozenset({"DEL", "PURGE"})
 
 
 async def ensure_bucket(js: JetStreamContext, bucket: str, ttl_s: float | None = None) -> KeyValue:
@@ -48,3 +55,28 @@ async def read_all(kv: KeyValue, decode: Callable[[bytes], T]) -> list[T]:
             if value is not None:
                 values.append(value)
     return values
+
+
+def is_removal(entry: KeyValue.Entry) -> bool:
+    """A watch entry that says its key is gone (deleted, purged, or emptied)."""
+    return entry.operation in _DELETE_OPS or not entry.value
+
+
+async def follow(
+    watcher: KeyValue.KeyWatcher, on_entry: Callable[[KeyValue.Entry | None], None], what: str
+) -> None:
+    """Hand each update of a KV watch to `on_entry` until the watch stops: first the current
+    values, then None (they have all been seen), then every change. A failed read (a
+    reconnect) is logged and retried; this runs until cancelled or the watcher is stopped."""
+    while True:
+        try:
+            entry = await watcher.updates(timeout=None)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:
+            log.debug("%s watch: %s", what, err)
+            await asyncio.sleep(0.5)
+            continue
+        if entry is KeyValue.KeyWatcher.STOP_ITER:
+            return
+        on_entry(entry)
