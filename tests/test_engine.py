@@ -74,17 +74,19 @@ ENGINE_COMMAND = [
 ]
 
 
-def engine_args(concurrency: int) -> list[str]:
+def engine_args(
+    concurrency: int, command: list[str] = ENGINE_COMMAND, task: str = "generate"
+) -> list[str]:
     """The worker flags of an engine deployment of Gemma 3 270M on llama_cpp.server."""
     return [
         "--runtime",
         "engine",
         "--task",
-        "generate",
+        task,
         "--source",
         SOURCE,
         "--option",
-        f"command={json.dumps(ENGINE_COMMAND)}",
+        f"command={json.dumps(command)}",
         "--option",
         f"concurrency={concurrency}",
     ]
@@ -231,6 +233,11 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("completions", {"prompt": 5}, "prompt"),
     ("completions", {"max_tokens": 3}, "prompt"),
+    ("completions", {"prompt": "x", "presence_penalty": 5}, "presence_penalty"),
+    ("completions", {"prompt": "x", "logit_bias": {"the": 1}}, "logit_bias"),
+    # Token ids are OpenAI's but not llama_cpp.server's: its schema refuses them (with a 500).
+    ("completions", {"prompt": [1, 2, 3], "max_tokens": 2}, "prompt"),
+    ("chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages"),
     ("chat/completions", {"messages": []}, "messages"),
     ("chat/completions", {"messages": "hello"}, "messages"),
     ("chat/completions", {"messages": [{"content": "x"}]}, "messages"),
@@ -252,6 +259,18 @@ def test_bad_requests_get_400_not_the_engines_500(
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param, error
     assert error["message"]
+
+
+@needs_server
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prompt_longer_than_the_engines_context_gets_its_400(gateway_url, engine_worker, stream):
+    # Streamed, llama_cpp.server answers 200 and an empty body; the relay learns why.
+    body = {"model": MODEL, "prompt": "queue " * 2100, "max_tokens": 4, "stream": stream}
+    response = httpx.post(f"{gateway_url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert "maximum context length is 2048 tokens" in error["message"]
 
 
 @needs_server
@@ -363,6 +382,68 @@ def test_sigkill_of_the_engine_mid_stream(nats_server, gateway_url, engine_worke
     )
     assert after.running_sequences == 0
     assert engine_worker.process.poll() is None  # the worker itself lived on
+
+
+@needs_server
+def test_a_stream_the_engine_cuts_short_ends_with_an_error(
+    nats_server, session_launcher, gateway_url
+):
+    """llama_cpp.server as it comes (`--interrupt_requests` on) ends a stream with [DONE] as
+    soon as another request waits. The client must not take that for a whole answer."""
+    model = "gemma-engine-interrupting"
+    at = ENGINE_COMMAND.index("--interrupt_requests")
+    command = ENGINE_COMMAND[:at] + ENGINE_COMMAND[at + 2 :]
+    worker = session_launcher.worker(nats_server.url, model, *engine_args(2, command), timeout=180)
+    events: list[str] = []
+    with httpx.stream(
+        "POST",
+        f"{gateway_url}/v1/completions",
+        json={"model": model, "prompt": PROMPT, "max_tokens": 400, "stream": True},
+        timeout=120,
+    ) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        for line in lines:
+            events += [line] if line.startswith("data: ") else []
+            if len(events) == 2:
+                break
+        other = httpx.post(
+            f"{gateway_url}/v1/completions",
+            json={"model": model, "prompt": "Hello", "max_tokens": 4},
+            timeout=120,
+        )
+        events += [line for line in lines if line.startswith("data: ")]
+    assert other.status_code == 200, other.text
+    # The last event is the error (the gateway sends no [DONE] after one).
+    error = json.loads(events[-1].removeprefix("data: "))["error"]
+    assert error["code"] == "stream_interrupted"
+    assert "before its finish reason" in error["message"]
+    assert len(events) < 400  # it was cut short indeed
+    assert worker.process.poll() is None
+
+
+@needs_server
+def test_embeddings_in_the_engines_own_shape_are_refused(
+    nats_server, session_launcher, gateway_url
+):
+    """llama_cpp.server can embed (`--embedding True`), but Gemma 3's GGUF names no pooling
+    and the server has no setting for one: it answers a vector per token for each input.
+    Shoal answers 502 with that reason instead of a 200 no OpenAI client can read."""
+    model = "gemma-engine-embeddings"
+    command = [*ENGINE_COMMAND, "--embedding", "True"]
+    worker = session_launcher.worker(
+        nats_server.url, model, *engine_args(2, command, task="embeddings"), timeout=180
+    )
+    alone = engine_alone(worker.pid, "embeddings", {"input": ["a queue", "of work"]})
+    assert isinstance(alone["data"][0]["embedding"][0], list)  # one vector per token
+    response = httpx.post(
+        f"{gateway_url}/v1/embeddings", json={"model": model, "input": "a queue"}, timeout=60
+    )
+    assert response.status_code == 502, response.text
+    error = response.json()["error"]
+    assert "not OpenAI's shape" in error["message"] and "per token" in error["message"]
+    bad = httpx.post(f"{gateway_url}/v1/embeddings", json={"model": model}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "input"
 
 
 def test_a_missing_engine_command_is_refused_and_nothing_is_written(nats_server):

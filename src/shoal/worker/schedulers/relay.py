@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,28 @@ EXIT_GRACE_S = 1.0  # after a dropped connection, how long to look for the engin
 
 class StreamCutShort(Exception):
     """The engine ended a stream (with `[DONE]`) before any choice had a finish reason."""
+
+
+class StreamErrorEvent(Exception):
+    """The engine sent an error event (`data: {"error": ...}`) in a stream (vLLM does)."""
+
+    def __init__(self, document: dict[str, Any]) -> None:
+        error = document.get("error")
+        detail = error if isinstance(error, dict) else {"message": str(error)}
+        super().__init__(str(detail.get("message") or "the engine's stream failed"))
+        code = detail.get("code")
+        self.status = code if isinstance(code, int) and 400 <= code < 500 else 502
+
+    def api_error(self) -> ApiError:
+        """The client's error: the engine's 4xx as it is, anything else as its failure."""
+        if self.status < 500:
+            return ApiError(self.status, str(self))
+        return ApiError(502, f"The engine failed: {self}", code="stream_interrupted")
+
+
+# pydantic's message for a body its schema refuses, and the top-level field it names.
+_VALIDATION_ERROR = re.compile(r"^\d+ validation errors?( for \w+)?:?\s")
+_VALIDATION_PARAM = re.compile(r"'loc': \('body', '(\w+)'")
 
 
 @dataclass(slots=True, eq=False)
@@ -199,38 +222,60 @@ class RelayScheduler(SchedulerBase):
         document = decode_object(reply.body)
         if document is None:
             raise ValueError("not a JSON object")
+        if endpoint == Endpoint.EMBEDDINGS.value:
+            problem = _embeddings_shape_problem(document)
+            if problem:
+                error = ApiError(502, f"The engine's embeddings are not OpenAI's shape: {problem}")
+                await self._answer(relay.item, Reply.from_error(error))
+                return
         self._count_usage(document)
         document["model"] = self._model
         await self._answer(relay.item, Reply(200, encode_json(document)))
 
     async def _relay_stream(self, relay: _Relay, endpoint: str, body: bytes) -> None:
         item, outbox = relay.item, self._ctx.outbox
-        async with self._engine.stream(endpoint, body) as stream:
-            if stream.status != 200:
-                await self._answer(item, self._error_reply(stream.status, await stream.read()))
+        # The gateway ends the SSE stream after the chunk marked final, so the chunk that
+        # may be the last (a finish reason, or usage) is held until the next one arrives.
+        held: bytes | None = None
+        last: dict | None = None
+        finished = False
+        try:
+            async with self._engine.stream(endpoint, body) as stream:
+                if stream.status != 200:
+                    reply = self._error_reply(stream.status, await stream.read())
+                    await self._answer(item, reply)
+                    return
+                async for payload in stream.events():
+                    document = decode_object(payload)
+                    if document is None:
+                        continue  # not a chunk (some servers send keep-alive data)
+                    if "error" in document and "choices" not in document:
+                        raise StreamErrorEvent(document)
+                    self._count_chunk(relay, document)
+                    document["model"] = self._model
+                    chunk, last = encode_json(document), document
+                    finished = finished or _has_finish(document)
+                    if held is not None:
+                        await self._send(relay, held)
+                        held = None
+                    if _may_be_last(document):
+                        held = chunk
+                    else:
+                        await self._send(relay, chunk)
+            if last is None:
+                raise EngineUnavailable("the engine's stream held no chunk")
+        except (EngineUnavailable, StreamErrorEvent) as err:
+            if isinstance(err, StreamErrorEvent) and (last is not None or relay.chunks_sent):
+                await self._end_with_error(relay, err.api_error())
                 return
-            # The gateway ends the SSE stream after the chunk marked final, so the chunk that
-            # may be the last (a finish reason, or usage) is held until the next one arrives.
-            held: bytes | None = None
-            last: dict | None = None
-            finished = False
-            async for payload in stream.events():
-                document = decode_object(payload)
-                if document is None:
-                    continue  # not a chunk (some servers send keep-alive data)
-                self._count_chunk(relay, document)
-                document["model"] = self._model
-                chunk, last = encode_json(document), document
-                finished = finished or _has_finish(document)
-                if held is not None:
-                    await self._send(relay, held)
-                    held = None
-                if _may_be_last(document):
-                    held = chunk
-                else:
-                    await self._send(relay, chunk)
-        if last is None:
-            raise EngineUnavailable("the engine's stream held no chunk")
+            if last is not None or relay.chunks_sent or self._engine.exited() is not None:
+                raise  # the engine died under it, or dropped it midway: _relay decides
+            # Nothing was relayed yet and the engine lives: it refused this request in a
+            # stream's clothes (llama_cpp.server answers 200 and an empty body when a
+            # streamed request fails, a prompt too long for its context included).
+            reply = await self._why_no_stream(endpoint, body, err)
+            await self._answer(item, reply)
+            return
         if not finished:
             # [DONE] before any choice had a finish reason: the engine cut the stream short
             # (llama_cpp.server does, with --interrupt_requests on, when another request
@@ -261,6 +306,34 @@ class RelayScheduler(SchedulerBase):
         if first and item is not None:
             self._ctx.metrics.first_token.observe(max(0, now_ms() - item.sent_ms) / 1000)
 
+    async def _why_no_stream(
+        self, endpoint: str, body: bytes, err: EngineUnavailable | StreamErrorEvent
+    ) -> Reply:
+        """The answer for a stream that failed before its first chunk.
+
+        The engine's error event if it sent one; else the same request, unstreamed and cut
+        to one token, learns the engine's reason (a 4xx for the client's mistakes). A
+        request the engine accepts that way failed for the engine's own reasons: 502.
+        """
+        if isinstance(err, StreamErrorEvent):
+            return Reply.from_error(err.api_error())
+        document = decode_object(body) or {}
+        document.pop("stream_options", None)
+        document.pop("max_completion_tokens", None)
+        document.update(stream=False, max_tokens=1)
+        for attempt in range(2):
+            try:
+                reply = await self._engine.post(endpoint, encode_json(document))
+                break
+            except EngineUnavailable:
+                # Once more: the pooled connection may be the one the failed stream left
+                # broken. Twice: the engine is going away, and _relay gives the request back.
+                if attempt or self._engine.exited() is not None:
+                    raise err from None
+        if reply.status != 200:
+            return self._error_reply(reply.status, reply.body)
+        return Reply.from_error(ApiError(502, f"The engine failed: {err}"))
+
     def _error_reply(self, status: int, body: bytes) -> Reply:
         """The engine's error in OpenAI's shape: its own if it has one, else wrapped.
 
@@ -278,6 +351,18 @@ class RelayScheduler(SchedulerBase):
         else:
             message = body.decode(errors="replace")[:1000]
         if status >= 500:
+            refused = _VALIDATION_ERROR.match(message)
+            if refused:
+                # The engine's request schema refused the body (pydantic's message), though
+                # the engine calls it a server error (llama_cpp.server): the client's to fix.
+                param = _VALIDATION_PARAM.search(message)
+                error = ApiError(
+                    400,
+                    f"The engine refused the request: {message}",
+                    param=param.group(1) if param else None,
+                )
+                return Reply.from_error(error)
+            message = message or f"it answered {status} without a message"
             return Reply.from_error(ApiError(502, f"The engine failed: {message}"))
         return Reply.from_error(ApiError(status, message or f"The engine answered {status}"))
 
@@ -400,6 +485,32 @@ def _has_text(choice: dict) -> bool:
     return bool(choice.get("text"))
 
 
+def _embeddings_shape_problem(document: dict) -> str:
+    """Why an engine's embeddings answer is not one vector per input ('' if it is).
+
+    An engine may answer in its own shape: llama_cpp.server on a model without a pooling
+    type returns a vector per token (a list of lists) for each input. Passing that on as a
+    200 would break every OpenAI client, so it is refused here, with the reason.
+    """
+    data = document.get("data")
+    if not isinstance(data, list) or not data:
+        return "no 'data' list"
+    for entry in data:
+        vector = entry.get("embedding") if isinstance(entry, dict) else None
+        if isinstance(vector, str):
+            continue  # base64, as asked with encoding_format
+        if not isinstance(vector, list) or not vector:
+            return "an entry without an 'embedding'"
+        odd = [x for x in vector if isinstance(x, bool) or not isinstance(x, int | float)]
+        if odd:
+            kind = type(odd[0]).__name__
+            return (
+                f"an 'embedding' holds a {kind}, not numbers "
+                "(a vector per token? the engine's model may need a pooling type)"
+            )
+    return ""
+
+
 def _has_finish(chunk: dict) -> bool:
     choices = chunk.get("choices") or []
     return any(isinstance(c, dict) and c.get("finish_reason") for c in choices)
@@ -451,8 +562,37 @@ def check_request(endpoint: Endpoint | None, body: bytes) -> None:
         raise ApiError(400, "'temperature' must be between 0 and 2", param="temperature")
     if not 0.0 < request.top_p <= 1.0:
         raise ApiError(400, "'top_p' must be greater than 0 and at most 1", param="top_p")
+    if request.n < 1:
+        raise ApiError(400, f"'n' must be at least 1 (got {request.n})", param="n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2.0 <= getattr(request, name) <= 2.0:
+            raise ApiError(400, f"'{name}' must be between -2 and 2", param=name)
+    for token, bias in (request.logit_bias or {}).items():
+        if not token.isdigit() or not -100.0 <= bias <= 100.0:
+            raise ApiError(
+                400,
+                "'logit_bias' maps token ids (integers, as strings) to biases from -100 to 100",
+                param="logit_bias",
+            )
     if isinstance(request, ChatRequest):
         if not request.messages:
             raise ApiError(400, "'messages' must not be empty", param="messages")
-    elif not request.prompt:
-        raise ApiError(400, "'prompt' must not be empty", param="prompt")
+        for i, message in enumerate(request.messages):
+            if message.role not in _OPENAI_ROLES:
+                raise ApiError(
+                    400,
+                    f"'messages[{i}].role' must be one of {', '.join(_OPENAI_ROLES)} "
+                    f"(got {message.role!r})",
+                    param="messages",
+                )
+        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
+            raise ApiError(400, "'top_logprobs' must be between 0 and 20", param="top_logprobs")
+    else:
+        if not request.prompt:
+            raise ApiError(400, "'prompt' must not be empty", param="prompt")
+        if request.logprobs is not None and not 0 <= request.logprobs <= 5:
+            raise ApiError(400, "'logprobs' must be between 0 and 5", param="logprobs")
+
+
+# The roles OpenAI's chat API defines (Shoal's own runtimes take the first four).
+_OPENAI_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
