@@ -22,6 +22,7 @@ from shoal.gateway.openapi import build_document, encode_document, load_document
 
 HEADER_TIMEOUT_S = 2.0
 BODY_TIMEOUT_S = 2.0
+KEEP_ALIVE_S = 4.0
 MAX_BODY_BYTES = 256 * 1024
 EMBED_MODEL = "hostile-embed"
 GENERATE_MODEL = "hostile-generate"
@@ -34,6 +35,7 @@ def cluster(nats_server, tmp_path_factory) -> dict:
     env = {
         "SHOAL_HEADER_TIMEOUT": str(HEADER_TIMEOUT_S),
         "SHOAL_BODY_TIMEOUT": str(BODY_TIMEOUT_S),
+        "SHOAL_KEEP_ALIVE_TIMEOUT": str(KEEP_ALIVE_S),
         "SHOAL_ADMIN_TOKEN": "hostile-admin",
     }
     launcher.env.update(env)
@@ -141,6 +143,26 @@ def test_slow_header_connections_are_closed_and_others_are_served(cluster):
         assert status == 408 and headers["connection"] == "close"
         assert json.loads(body)["error"]["code"] == "header_timeout"
     assert_normal_request_works(cluster["url"])
+
+
+def test_an_idle_connection_is_kept_past_the_header_timeout_then_closed_quietly(cluster):
+    """A connection that sends nothing is idle, not slow: it is kept for the keep-alive
+    timeout (longer than the header timeout), then closed without an unasked-for answer."""
+    host, port = _address(cluster["url"])
+
+    async def idle() -> tuple[float, bytes]:
+        reader, writer = await asyncio.open_connection(host, port)
+        started = time.monotonic()
+        try:
+            received = await asyncio.wait_for(reader.read(), KEEP_ALIVE_S + 8)
+        finally:
+            writer.close()
+        return time.monotonic() - started, received
+
+    elapsed, received = asyncio.run(idle())
+    assert received == b""
+    assert KEEP_ALIVE_S - 0.5 <= elapsed <= KEEP_ALIVE_S + 3, elapsed
+    assert elapsed > HEADER_TIMEOUT_S + 1
 
 
 def test_trickling_body_gets_408_and_the_connection_closes(cluster):

@@ -62,17 +62,22 @@ class LatencyTargets:
 class HttpTimeouts:
     """How long a client may take to send a request: slow clients hold a connection each."""
 
-    # From the connection's start (or a keep-alive request's first byte) to its last header.
+    # From a request's first byte to its last header.
     header_s: float = 10.0
     # To read a request's whole body, once its headers are in (408 past it).
     body_s: float = 30.0
+    # An idle connection (new, or between two requests) is closed after this. Longer than
+    # clients and load balancers keep theirs (60 s is common), so they close first: a client
+    # that sends on a connection just as the server closes it loses that request.
+    keep_alive_s: float = 75.0
 
     @classmethod
     def from_environment(cls) -> HttpTimeouts:
-        """`SHOAL_HEADER_TIMEOUT` and `SHOAL_BODY_TIMEOUT` (seconds)."""
+        """`SHOAL_HEADER_TIMEOUT`, `SHOAL_BODY_TIMEOUT`, `SHOAL_KEEP_ALIVE_TIMEOUT` (seconds)."""
         return cls(
             header_s=env_default("HEADER_TIMEOUT", cls.header_s),
             body_s=env_default("BODY_TIMEOUT", cls.body_s),
+            keep_alive_s=env_default("KEEP_ALIVE_TIMEOUT", cls.keep_alive_s),
         )
 
 

@@ -3,7 +3,7 @@
 uvicorn times out only idle keep-alive connections; a client that sends its request line and
 then a header a second (slowloris), or a body a byte a second, held its connection forever,
 and httptools buffers a header of any length. This protocol closes a connection whose headers
-are not complete within `HttpTimeouts.header_s` of its start or of its request's first byte,
+are not complete within `HttpTimeouts.header_s` of its request's first byte,
 or whose body is not complete within `HttpTimeouts.body_s` of its headers (408), or whose
 headers pass `MAX_HEADER_BYTES` (431), and answers a request it cannot parse with a 400: all
 in the OpenAI error shape, as the app's own errors are.
@@ -44,18 +44,24 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.header_timeout_s = header_timeout_s
         self.body_timeout_s = body_timeout_s
         self._timer: asyncio.TimerHandle | None = None
-        self._reading = _Reading.HEADERS
+        self._reading = _Reading.IDLE
         self._header_bytes = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._arm_timer()  # a connection that sends nothing at all
+        # A connection that sends nothing is idle, as one between two requests is: it gets the
+        # keep-alive timeout (uvicorn starts that only after a first response) and a quiet
+        # close. The header timeout starts with its first byte.
+        self._timer = self.loop.call_later(self.timeout_keep_alive, self._timed_out)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_timer()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._reading is _Reading.IDLE:  # its first bytes: no longer idle
+            self._disarm_timer()
+            self._reading = _Reading.HEADERS
         if self._reading is _Reading.HEADERS:
             self._header_bytes += len(data)
         super().data_received(data)
@@ -105,6 +111,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._timer = None
         if self.transport.is_closing() or self._reading is _Reading.DONE:
             return
+        if self._reading is _Reading.IDLE:
+            self.transport.close()  # nothing was asked: nothing to answer
+            return
         if self._reading is _Reading.BODY:
             self._reply_and_close(
                 408,
@@ -152,6 +161,7 @@ def protocol_factory(timeouts: HttpTimeouts) -> Any:
 
 
 class _Reading(Enum):
+    IDLE = 0  # a new connection that has sent nothing yet
     HEADERS = 1
     BODY = 2
     DONE = 3  # the whole request is in; a keep-alive connection waits for the next

@@ -18,8 +18,6 @@ from shoal.observability.metrics import MULTIPROCESS_DIR_ENV
 
 HTTP_SERVERS = ("uvicorn", "granian")
 _SETTINGS_ENV = "SHOAL_GATEWAY_SETTINGS_JSON"
-# uvicorn's idle keep-alive timeout, seconds (see `_serve_uvicorn`).
-KEEP_ALIVE_S = 75
 
 
 def serve(settings: GatewaySettings) -> None:
@@ -53,11 +51,8 @@ def _serve_uvicorn(settings: GatewaySettings) -> None:
         "proxy_headers": False,
         "log_level": "warning",
         "timeout_graceful_shutdown": 5,
-        # An idle keep-alive connection is closed after this. A client that sends on it just as
-        # the server closes it loses that request (the soak saw it with uvicorn's 5 s): keep
-        # connections longer than clients and load balancers do (60 s is common), so they close
-        # first.
-        "timeout_keep_alive": KEEP_ALIVE_S,
+        # Idle connections: new ones (http_protocol.py) and between requests (uvicorn).
+        "timeout_keep_alive": settings.http_timeouts.keep_alive_s,
     }
     if settings.processes > 1:
         # uvicorn binds the port once and starts the processes on it; each builds its own
