@@ -264,10 +264,11 @@ class RelayScheduler(SchedulerBase):
                         await self._send(relay, chunk)
             if last is None:
                 raise EngineUnavailable("the engine's stream held no chunk")
-        except (EngineUnavailable, StreamErrorEvent) as err:
-            if isinstance(err, StreamErrorEvent) and (last is not None or relay.chunks_sent):
-                await self._end_with_error(relay, err.api_error())
-                return
+        except StreamErrorEvent as err:
+            # Before any chunk: its status as the answer; after some: an error event.
+            await self._end_with_error(relay, err.api_error())
+            return
+        except EngineUnavailable as err:
             if last is not None or relay.chunks_sent or self._engine.exited() is not None:
                 raise  # the engine died under it, or dropped it midway: _relay decides
             # Nothing was relayed yet and the engine lives: it refused this request in a
@@ -306,17 +307,13 @@ class RelayScheduler(SchedulerBase):
         if first and item is not None:
             self._ctx.metrics.first_token.observe(max(0, now_ms() - item.sent_ms) / 1000)
 
-    async def _why_no_stream(
-        self, endpoint: str, body: bytes, err: EngineUnavailable | StreamErrorEvent
-    ) -> Reply:
-        """The answer for a stream that failed before its first chunk.
+    async def _why_no_stream(self, endpoint: str, body: bytes, err: EngineUnavailable) -> Reply:
+        """The answer for a stream that ended before its first chunk, the engine alive.
 
-        The engine's error event if it sent one; else the same request, unstreamed and cut
-        to one token, learns the engine's reason (a 4xx for the client's mistakes). A
-        request the engine accepts that way failed for the engine's own reasons: 502.
+        The same request, unstreamed and cut to one token, learns the engine's reason (a 4xx
+        for the client's mistakes). A request the engine accepts that way failed for the
+        engine's own reasons: 502.
         """
-        if isinstance(err, StreamErrorEvent):
-            return Reply.from_error(err.api_error())
         document = decode_object(body) or {}
         document.pop("stream_options", None)
         document.pop("max_completion_tokens", None)
