@@ -13,8 +13,10 @@ import openai
 import pytest
 from conftest import wait_until, worker_status
 
+from shoal.api.generation import ChatTurn
 from shoal.runtimes.base import SamplingParams
 from shoal.runtimes.llamacpp import LlamaCppRuntime
+from shoal.worker.tasks.chat_template import render_chat
 
 MODEL = "gemma-3-270m"
 OPTIONS = {"max_sequences": 8, "context_length": 512, "threads": 1}
@@ -88,6 +90,26 @@ def test_streamed_chat_equals_non_streamed(client, gemma_worker):
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == whole.choices[0].finish_reason
     assert chunks[-1].usage is not None and chunks[-1].usage == whole.usage
+
+
+def test_chat_on_the_base_model_ends_at_the_first_invented_turn(client, gemma_worker, in_process):
+    # Greedy, Gemma 3 270M answers this and goes on with "\nAssistant: Count from four ...":
+    # the reply is what it wrote before the first turn marker, nothing after.
+    messages = [ChatTurn("user", "Count from one to three.")]
+    rendered = render_chat(messages, in_process.chat_template)
+    written, _ = greedy_text(in_process, rendered.text, 40)
+    ends = [written.find(stop) for stop in rendered.extra_stops if stop in written]
+    assert ends, f"the model wrote no further turn this time: {written!r}"
+    result = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Count from one to three."}],
+        max_tokens=40,
+        temperature=0,
+    )
+    answer = result.choices[0].message.content
+    assert answer == written[: min(ends)]
+    assert "User:" not in answer and "Assistant:" not in answer
+    assert result.choices[0].finish_reason == "stop"
 
 
 def test_same_seed_same_sampled_output(client, gemma_worker):

@@ -76,7 +76,33 @@ def test_default_chat_template_and_its_stop():
         template=None,
     )
     assert prompt.text == "Be brief.\n\nUser: Hi\nAssistant: Hello\nAssistant:"
-    assert prompt.extra_stops == ("\nUser:",)
+    assert prompt.extra_stops == ("\nUser:", "\nAssistant:", "User:", "Assistant:")
+
+
+@pytest.mark.parametrize(
+    ("written", "reply"),
+    [
+        # What Gemma 3 270M writes on the plain transcript when nothing stops it.
+        (
+            " Count from two to three.\nAssistant: Count from four to three.",
+            " Count from two to three.",
+        ),
+        (" 2+2 = 4\nUser: What is 2+2?\nAssistant: 2+2 = 4", " 2+2 = 4"),
+        (" one, Assistant: two, three,", " one, "),
+        (" one User: two", " one "),
+    ],
+)
+def test_default_template_stops_at_any_new_turn(written, reply):
+    stops = list(render_chat([ChatTurn("user", "Count")], template=None).extra_stops)
+    assembler = TextAssembler(stops)
+    # Three characters a token, as a model writes them: markers arrive split across tokens.
+    # The scheduler ends the sequence at the stop: nothing is fed after it.
+    released = ""
+    for i in range(0, len(written), 3):
+        released += assembler.add(written[i : i + 3].encode())
+        if assembler.stopped:
+            break
+    assert released == reply and assembler.stopped
 
 
 def test_model_chat_template_is_rendered():

@@ -14,7 +14,7 @@ from shoal.catalog import resolve_model
 from shoal.observability.metrics import BusyMeter
 from shoal.protocol import Endpoint, is_valid_model_name, name_token, work_subject
 from shoal.runtimes.base import EmbedOutput
-from shoal.runtimes.sim import SimEmbeddingRuntime, pseudo_embedding
+from shoal.runtimes.sim import SimEmbeddingRuntime, pseudo_embedding, pseudo_token_embedding
 from shoal.worker.items import WorkItem, take_batch
 from shoal.worker.tasks.embed import EmbeddingsHandler
 
@@ -175,3 +175,102 @@ def test_deep_nesting_is_a_400_not_a_recursion_error(body):
     with pytest.raises(ApiError) as caught:
         read_routing_fields(body)
     assert caught.value.status == 400
+
+
+# -- embeddings: token-id inputs and `dimensions` (issue 15 part 5) ------------------------
+
+
+def _replies(handler: EmbeddingsHandler, *bodies: bytes) -> list[tuple[int, dict]]:
+    outcome = handler.handle(list(bodies))
+    return [(r.status, msgspec.json.decode(r.body)) for r in outcome.replies]
+
+
+def test_token_id_inputs_in_every_form_openai_takes():
+    runtime = SimEmbeddingRuntime("s", {"batch_ms": 0, "token_us": 0, "dimensions": 8})
+    handler = EmbeddingsHandler(runtime, "s")
+    replies = _replies(
+        handler,
+        _body([5, 6, 7]),  # one token-id input
+        _body([[5, 6, 7], [9]]),  # a list of them
+        _body(["a text", [9]]),  # texts and ids, each its own vector
+        _body("a text"),
+    )
+    assert [status for status, _ in replies] == [200, 200, 200, 200]
+    vectors = [[np.array(d["embedding"], np.float32) for d in r["data"]] for _, r in replies]
+    np.testing.assert_array_equal(vectors[0][0], pseudo_token_embedding([5, 6, 7], 8))
+    np.testing.assert_array_equal(vectors[1][0], vectors[0][0])
+    np.testing.assert_array_equal(vectors[1][1], pseudo_token_embedding([9], 8))
+    np.testing.assert_array_equal(vectors[2][0], pseudo_embedding("a text", 8))
+    np.testing.assert_array_equal(vectors[2][1], vectors[1][1])
+    np.testing.assert_array_equal(vectors[3][0], vectors[2][0])
+    # One token per id: usage counts them.
+    assert replies[1][1]["usage"]["prompt_tokens"] == 4
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        ([32_000], "outside this model's vocabulary (0 to 31999)"),
+        ([[1, 2], [-1]], "token id -1"),
+        ([[]], "must not be an empty list"),
+        ([1, "a"], "'input[0]' must be a string or a list of token ids"),
+        ([[1, 2.5]], "'input[0]' must be a string or a list of token ids"),
+        ([True, False], "'input[0]' must be a string or a list of token ids"),
+        ([["a"]], "'input[0]' must be a string or a list of token ids"),
+    ],
+)
+def test_bad_token_ids_are_openai_400s_on_input(value, words):
+    runtime = SimEmbeddingRuntime("s", {"batch_ms": 0, "token_us": 0, "dimensions": 8})
+    [(status, body)] = _replies(EmbeddingsHandler(runtime, "s"), _body(value))
+    assert status == 400
+    assert body["error"]["param"] == "input" and body["error"]["type"] == "invalid_request_error"
+    assert words in body["error"]["message"]
+
+
+def test_token_ids_on_a_runtime_without_them_are_a_clear_400():
+    [(status, body)] = _replies(EmbeddingsHandler(_RuntimeThatRejectsPoison(), "m"), _body([1]))
+    assert status == 400 and body["error"]["code"] == "token_ids_not_supported"
+    assert body["error"]["param"] == "input" and "send 'input' as text" in body["error"]["message"]
+
+
+def _dimensions_body(dimensions: int) -> bytes:
+    return msgspec.json.encode({"model": "m", "input": ["x", "y"], "dimensions": dimensions})
+
+
+def test_dimensions_shorten_only_declared_matryoshka_sizes():
+    runtime = SimEmbeddingRuntime("s", {"batch_ms": 0, "token_us": 0, "dimensions": 16})
+    handler = EmbeddingsHandler(runtime, "s", {"matryoshka_dimensions": [8, 4]})
+    [(ok, body), (full, _), (bad, error)] = _replies(
+        handler, _dimensions_body(4), _dimensions_body(16), _dimensions_body(6)
+    )
+    assert (ok, full, bad) == (200, 200, 400)
+    got = np.array(body["data"][0]["embedding"], np.float32)
+    prefix = pseudo_embedding("x", 16)[:4]
+    np.testing.assert_allclose(got, prefix / np.linalg.norm(prefix), rtol=1e-6)
+    assert error["error"]["param"] == "dimensions"
+    assert "one of 16, 8, 4" in error["error"]["message"]
+    # The option as `--option matryoshka_dimensions=8,4` gives it.
+    assert EmbeddingsHandler(runtime, "s", {"matryoshka_dimensions": "8,4"}).shorter_dimensions == (
+        8,
+        4,
+    )
+
+
+def test_dimensions_on_a_model_not_trained_for_it_is_a_400():
+    runtime = SimEmbeddingRuntime("s", {"batch_ms": 0, "token_us": 0, "dimensions": 16})
+    [(status, body)] = _replies(EmbeddingsHandler(runtime, "s"), _dimensions_body(8))
+    assert status == 400 and body["error"]["param"] == "dimensions"
+    assert "not trained to be shortened" in body["error"]["message"]
+
+
+def test_matryoshka_sizes_are_read_from_a_sentence_transformers_card(tmp_path):
+    from shoal.runtimes.torch_st import card_matryoshka_dimensions
+
+    assert card_matryoshka_dimensions(tmp_path) == ()  # no card
+    (tmp_path / "README.md").write_text("# all-MiniLM-L6-v2\nMultipleNegativesRankingLoss\n")
+    assert card_matryoshka_dimensions(tmp_path) == ()
+    (tmp_path / "README.md").write_text(
+        '### Loss\n[`MatryoshkaLoss`]\n```json\n{\n    "loss": "MultipleNegativesRankingLoss",'
+        '\n    "matryoshka_dims": [\n        768,\n        512,\n        64\n    ],\n}\n```\n'
+    )
+    assert card_matryoshka_dimensions(tmp_path) == (768, 512, 64)

@@ -1,4 +1,11 @@
-"""Embeddings: OpenAI's request and response shapes, their parse and encode."""
+"""Embeddings: OpenAI's request and response shapes, their parse and encode.
+
+`input` takes what OpenAI's API takes: a string, a list of strings, one token-id list
+(`[int, ...]`) or a list of them. Token ids are the served MODEL'S OWN tokenizer's ids (what
+`AutoTokenizer.from_pretrained(<model>)` gives), not tiktoken's: runtimes that can embed ids
+directly say so (`TokenIdEmbeddingRuntime`), the others answer 400. `dimensions` shortens
+vectors only for models trained for it (Matryoshka); see `allowed_dimensions`.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +20,9 @@ from shoal.api.errors import ApiError, invalid_body
 from shoal.protocol import encode_json
 
 MAX_INPUTS_PER_REQUEST = 2048
+
+# One input as the runtime gets it: a text, or token ids of the model's own tokenizer.
+EmbeddingInput = str | list[int]
 
 
 class EmbeddingsRequest(msgspec.Struct):
@@ -52,37 +62,128 @@ class EmbeddingsResponse(msgspec.Struct):
 _decode_request = msgspec.json.Decoder(EmbeddingsRequest).decode
 
 
-def parse_embeddings_request(body: bytes, dimensions: int) -> tuple[EmbeddingsRequest, list[str]]:
-    """Decode and validate one request; raises ApiError(400) with OpenAI's kind of message."""
+def parse_embeddings_request(
+    body: bytes,
+    dimensions: int,
+    vocab_size: int | None = None,
+    shorter_dimensions: tuple[int, ...] = (),
+) -> tuple[EmbeddingsRequest, list[EmbeddingInput]]:
+    """Decode and validate one request; raises ApiError(400) with OpenAI's kind of message.
+
+    `vocab_size` is the model's vocabulary when its runtime takes token-id inputs (None: it
+    does not); `shorter_dimensions` are the sizes below `dimensions` the model was trained
+    to be cut to.
+    """
     try:
         request = _decode_request(body)
     except (msgspec.ValidationError, msgspec.DecodeError) as err:
         raise invalid_body(err) from None
-    texts = [request.input] if isinstance(request.input, str) else request.input
-    if not texts:
+    inputs = _inputs(request.input)
+    if not inputs:
         raise ApiError(400, "'input' must not be empty", param="input")
-    if len(texts) > MAX_INPUTS_PER_REQUEST:
+    if len(inputs) > MAX_INPUTS_PER_REQUEST:
         raise ApiError(
             400,
-            f"'input' holds {len(texts)} items; at most {MAX_INPUTS_PER_REQUEST}",
+            f"'input' holds {len(inputs)} items; at most {MAX_INPUTS_PER_REQUEST}",
             param="input",
         )
-    for i, text in enumerate(texts):
-        if not isinstance(text, str):
+    for i, item in enumerate(inputs):
+        if isinstance(item, str):
+            if not item:
+                raise ApiError(400, f"'input[{i}]' must not be an empty string", param="input")
+        else:
+            _check_token_ids(i, item, vocab_size)
+    if request.dimensions is not None:
+        _check_dimensions(request.dimensions, dimensions, shorter_dimensions)
+    return request, inputs
+
+
+def _inputs(value: str | list[Any]) -> list[EmbeddingInput]:
+    """The inputs of `input`, one per output vector: a list of ints is ONE token-id input."""
+    if isinstance(value, str):
+        return [value]
+    if value and all(_is_token_id(v) for v in value):
+        return [value]
+    inputs: list[EmbeddingInput] = []
+    for i, item in enumerate(value):
+        is_ids = isinstance(item, list) and all(_is_token_id(v) for v in item)
+        if isinstance(item, str) or is_ids:
+            inputs.append(item)
+        else:
             raise ApiError(
                 400,
-                f"'input[{i}]' must be a string: token-id inputs are not supported",
+                f"'input[{i}]' must be a string or a list of token ids (integers); 'input' is "
+                "a string, a list of strings, a list of token ids or a list of such lists",
                 param="input",
             )
-        if not text:
-            raise ApiError(400, f"'input[{i}]' must not be an empty string", param="input")
-    if request.dimensions is not None and request.dimensions != dimensions:
+    return inputs
+
+
+def _is_token_id(value: Any) -> bool:
+    # JSON true/false decode to bool, a subclass of int: they are not token ids.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_token_ids(index: int, ids: list[int], vocab_size: int | None) -> None:
+    if vocab_size is None:
         raise ApiError(
             400,
-            f"'dimensions' must be {dimensions} for this model (got {request.dimensions})",
-            param="dimensions",
+            "This model's runtime does not take token-id inputs: send 'input' as text",
+            param="input",
+            code="token_ids_not_supported",
         )
-    return request, texts
+    if not ids:
+        raise ApiError(400, f"'input[{index}]' must not be an empty list", param="input")
+    for token in ids:
+        if not 0 <= token < vocab_size:
+            # A hostile id may have thousands of digits: not echoed (nor turned into text).
+            shown = f"token id {token}" if token.bit_length() <= 64 else "a token id"
+            raise ApiError(
+                400,
+                f"'input[{index}]' holds {shown}, outside this model's vocabulary "
+                f"(0 to {vocab_size - 1}); token ids are the model's own tokenizer's",
+                param="input",
+            )
+
+
+def allowed_dimensions(dimensions: int, shorter: tuple[int, ...]) -> tuple[int, ...]:
+    """The `dimensions` values a model answers: its own size, and the Matryoshka sizes below it.
+
+    A model "allows" a shorter vector only when it was trained so that a prefix of its vector
+    is itself an embedding (Matryoshka representation learning); cutting any other model's
+    vectors would return numbers that look valid and rank badly, so those get a 400.
+    """
+    return tuple(sorted({dimensions, *(d for d in shorter if 0 < d < dimensions)}, reverse=True))
+
+
+def _check_dimensions(wanted: int, dimensions: int, shorter: tuple[int, ...]) -> None:
+    allowed = allowed_dimensions(dimensions, shorter)
+    if wanted in allowed:
+        return
+    if len(allowed) == 1:
+        message = (
+            f"'dimensions' must be {dimensions} for this model (got {wanted}): it was not "
+            "trained to be shortened (no Matryoshka dimensions are declared for it)"
+        )
+    else:
+        sizes = ", ".join(str(d) for d in allowed)
+        message = f"'dimensions' must be one of {sizes} for this model (got {wanted})"
+    raise ApiError(400, message, param="dimensions")
+
+
+def shorten(vectors: np.ndarray, dimensions: int | None) -> np.ndarray:
+    """Matryoshka vectors cut to their first `dimensions` components.
+
+    Rows the model wrote with unit length are scaled back to unit length (as OpenAI's shortened
+    embeddings are), so cosine and dot product stay the same measure; other rows are only cut.
+    """
+    if dimensions is None or dimensions >= vectors.shape[1]:
+        return vectors
+    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+    cut = np.array(vectors[:, :dimensions], dtype=np.float32)
+    cut_norms = np.linalg.norm(cut, axis=1, keepdims=True)
+    unit = (np.abs(norms - 1.0) < 1e-3) & (cut_norms > 0)
+    return np.divide(cut, cut_norms, out=cut, where=unit)
 
 
 def encode_embeddings_response(
@@ -90,6 +191,7 @@ def encode_embeddings_response(
 ) -> bytes:
     """The response body, with vectors as float lists or base64 little-endian float32."""
     tokens = sum(token_counts)
+    vectors = shorten(vectors, request.dimensions)
     if request.encoding_format == "base64":
         little_endian = vectors.astype("<f4", copy=False)
         data: list[Any] = [

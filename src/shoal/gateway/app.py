@@ -23,7 +23,7 @@ from nats.aio.client import Client
 from nats.js.kv import KeyValue
 
 from shoal.api.errors import ApiError
-from shoal.api.models import encode_model_list
+from shoal.api.models import encode_model, encode_model_list
 from shoal.broker.bodies import INLINE_BODY_BYTES, BodyStore
 from shoal.broker.connection import connect
 from shoal.broker.jetstream import ensure_work_stream
@@ -90,6 +90,7 @@ DISCONNECT_WATCH_AFTER_S = 0.2
 MAX_IDEMPOTENCY_KEY_CHARS = 255
 # Answered before the body was read to its end: the connection cannot carry another request.
 _UNREAD_BODY = (408, 413)
+_MODEL_PREFIX = "/v1/models/"  # GET /v1/models/{id}: the rest of the path is the model's name
 _ROUTE_OF_TASK = {
     Task.EMBEDDINGS: "/v1/embeddings",
     Task.GENERATE: "/v1/chat/completions",
@@ -233,6 +234,8 @@ class Gateway:
         handler = self._routes.get((scope["method"], path))
         if handler is None and (path == ADMIN_PREFIX or path.startswith(ADMIN_PREFIX + "/")):
             handler = self._admin
+        if handler is None and path.startswith(_MODEL_PREFIX):  # `client.models.retrieve`
+            handler = self._model
         try:
             if handler is None:
                 if path in self._paths:
@@ -555,6 +558,23 @@ class Gateway:
         if auth is not None:  # a key sees the models it may use
             specs = auth.visible(auth.authenticate(scope["headers"]), specs)
         await _respond(send, 200, encode_model_list(specs))
+
+    async def _model(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """`GET /v1/models/{id}`: one model as in the list, 404 for one the key does not see."""
+        if scope["method"] != "GET":
+            raise ApiError(405, f"Method {scope['method']} is not allowed on {scope['path']}")
+        model = scope["path"].removeprefix(_MODEL_PREFIX)  # ASGI paths arrive URL-decoded
+        auth = self.auth
+        key_id = auth.authenticate(scope["headers"]) if auth is not None else None
+        if not self._ready.is_set():
+            raise ApiError(503, "The queue (NATS) is not reachable", retry_after=1)
+        spec = self.directory.get(model)
+        # A model outside the key's allowlist gets the same 404 as one that does not exist.
+        if spec is None or (auth is not None and not auth.visible(key_id or "", [spec])):
+            raise ApiError(
+                404, f"The model '{model}' does not exist", param="model", code="model_not_found"
+            )
+        await _respond(send, 200, encode_model(spec))
 
     async def _admin(self, scope: Scope, receive: Receive, send: Send) -> None:
         check_token(scope["headers"], self.settings.admin_token)

@@ -73,6 +73,7 @@ def build_document() -> dict[str, Any]:
         "RerankRequest": rerank.RerankRequest,
         "RerankResponse": rerank.RerankResponse,
         "ModelList": models.ModelList,
+        "ModelCard": models.ModelCard,
         "DeployRequest": admin.DeployRequest,
         "ModelSpec": ModelSpec,
         "Deleted": admin.Deleted,
@@ -159,6 +160,19 @@ def _paths() -> dict[str, Any]:
         },
         "/v1/models": {
             "get": _operation("listModels", "The deployed models", None, _json(_ref("ModelList")))
+        },
+        "/v1/models/{model}": {
+            "get": _operation(
+                "retrieveModel",
+                "One deployed model (404 for one that is not, or that the key may not use)",
+                None,
+                _json(_ref("ModelCard")),
+                (401, 404, 503),
+                parameters=[
+                    {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+                ],
+                **inference,
+            )
         },
         "/healthz": {
             "get": _operation("healthz", "The process is up", None, _json(_ref("Health")))

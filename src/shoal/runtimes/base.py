@@ -36,6 +36,34 @@ class EmbeddingRuntime(Protocol):
         ...
 
 
+class TokenIdEmbeddingRuntime(EmbeddingRuntime, Protocol):
+    """An embedding runtime that also embeds token ids of the model's own tokenizer.
+
+    Requests may send `input` as token ids (OpenAI's API allows it); a runtime that has this
+    method and `vocab_size` takes them, the others get a 400 at parse time.
+    """
+
+    vocab_size: int  # ids must lie in 0 .. vocab_size - 1
+
+    def embed_token_ids(
+        self, inputs: list[list[int]], adapters: list[str | None] | None = None
+    ) -> EmbedOutput:
+        """Embed a batch of token-id lists exactly as the texts they were tokenized from.
+
+        Ids with or without the tokenizer's special tokens both work: missing ones are added
+        as the tokenizer would. Inputs longer than the model takes are cut as texts are.
+        """
+        ...
+
+
+def takes_token_ids(runtime: object) -> int | None:
+    """The vocabulary size of a runtime that embeds token ids; None for one that does not."""
+    if not callable(getattr(runtime, "embed_token_ids", None)):
+        return None
+    vocab_size = getattr(runtime, "vocab_size", None)
+    return int(vocab_size) if vocab_size else None
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How one sequence picks its next token. temperature 0 means greedy (argmax)."""

@@ -15,6 +15,11 @@ per text and one gather, about what a real accelerator's host side spends copyin
 back. Drawing a fresh vector per text (a seeded generator per item) cost the worker ~25 us of
 CPU per item, which a benchmark of the sidecar's own cost would have counted as Shoal's. Two
 different texts share a vector with probability 1 / POOL_SIZE.
+
+Token-id inputs are taken too (`embed_token_ids`), as deterministically: ids 0 .. vocab_size-1
+(option `vocab_size`, default 32,000), one token per id, and a vector picked the same way from
+the ids' little-endian bytes behind a marker no UTF-8 text starts with, so ids and texts never
+share a vector by construction of their bytes (only by the pool's 1 / POOL_SIZE chance).
 """
 
 from __future__ import annotations
@@ -68,6 +73,18 @@ def pseudo_embedding(text: str, dimensions: int) -> np.ndarray:
     return vector_pool(dimensions)[_slot(text.encode())].copy()
 
 
+_IDS_MARKER = b"\xff"  # never the first byte of UTF-8 text
+
+
+def _id_bytes(ids: list[int]) -> bytes:
+    return _IDS_MARKER + np.asarray(ids, dtype="<u4").tobytes()
+
+
+def pseudo_token_embedding(ids: list[int], dimensions: int) -> np.ndarray:
+    """The vector the sim runtime returns for a token-id input: tests compare against it."""
+    return vector_pool(dimensions)[_slot(_id_bytes(ids))].copy()
+
+
 class SimEmbeddingRuntime:
     """A simulated embedding accelerator following the cost model above."""
 
@@ -78,6 +95,7 @@ class SimEmbeddingRuntime:
         self.batch_seconds = float(options.get("batch_ms", 2.0)) / 1000
         self.token_seconds = float(options.get("token_us", 20.0)) / 1e6
         self.dimensions = int(options.get("dimensions", 384))
+        self.vocab_size = int(options.get("vocab_size", 32_000))
         # Fault injection: a text containing this marker kills the process (SIGKILL, as the
         # kernel's OOM killer or a segfaulting kernel would), for dead-letter tests.
         self.crash_on = str(options.get("crash_on", "")).encode()
@@ -96,6 +114,23 @@ class SimEmbeddingRuntime:
         token_counts = [-(-len(e) // 4) + 2 for e in encoded]  # simulated_token_count
         slots = np.fromiter(map(_slot, encoded), dtype=np.intp, count=len(encoded))
         vectors = self._pool[slots]  # a gather makes a fresh, writable array
+        remaining = self.batch_cost_seconds(token_counts) - (time.perf_counter() - started)
+        if remaining > 0:
+            time.sleep(remaining)
+        return EmbedOutput(vectors, token_counts)
+
+    def embed_token_ids(
+        self, inputs: list[list[int]], adapters: list[str | None] | None = None
+    ) -> EmbedOutput:
+        """Token-id inputs under the same cost model: one token per id."""
+        if adapters and any(adapters):
+            raise ValueError("the simulated runtime has no LoRA adapters")
+        started = time.perf_counter()
+        token_counts = [len(ids) for ids in inputs]
+        slots = np.fromiter(
+            (_slot(_id_bytes(ids)) for ids in inputs), dtype=np.intp, count=len(inputs)
+        )
+        vectors = self._pool[slots]
         remaining = self.batch_cost_seconds(token_counts) - (time.perf_counter() - started)
         if remaining > 0:
             time.sleep(remaining)

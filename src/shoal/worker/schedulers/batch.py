@@ -28,7 +28,7 @@ def batch_handler(spec: ModelSpec, runtime) -> BatchTask:
     """The handler for a deployment that is not generative: embeddings or rerank."""
     if spec.task is Task.RERANK:
         return RerankHandler(runtime, spec.name)
-    return EmbeddingsHandler(runtime, spec.name)
+    return EmbeddingsHandler(runtime, spec.name, spec.options)
 
 
 class BatchScheduler(SchedulerBase):

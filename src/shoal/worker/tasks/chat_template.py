@@ -9,9 +9,12 @@ For such models Shoal uses a plain transcript, which base models continue sensib
     ...
     Assistant:
 
-and adds "\\nUser:" as a stop string, so the model answers one turn instead of writing the
-user's next line too. A model that ships a (Jinja) template gets it rendered as Hugging Face
-does, with `add_generation_prompt=True`.
+and adds every turn marker of that transcript as a stop string (`DEFAULT_TEMPLATE_STOPS`), so
+the model answers one turn: a base model left alone goes on writing turns for both speakers
+("... Assistant: two, three, ...", "\\nUser: ..."), and the reply must end at the first new
+one, on a new line or not. The cost: a reply that itself contains "User:" or "Assistant:"
+ends there. A model that ships a (Jinja) template gets it rendered as Hugging Face does, with
+`add_generation_prompt=True`, and no stop strings of Shoal's.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from dataclasses import dataclass
 
 from shoal.api.generation import ChatTurn
 
-DEFAULT_TEMPLATE_STOP = "\nUser:"
+# The assembler ends a reply at the earliest stop string in it; "\nUser:" begins one
+# character before "User:", so a marker on a new line is cut with its newline.
+DEFAULT_TEMPLATE_STOPS = ("\nUser:", "\nAssistant:", "User:", "Assistant:")
 _SPEAKER = {"user": "User", "assistant": "Assistant"}
 
 
@@ -42,7 +47,7 @@ def render_default(turns: list[ChatTurn]) -> ChatPrompt:
     lines = ["\n".join(system) + "\n"] if system else []
     lines += [f"{_SPEAKER[t.role]}: {t.content}" for t in turns if t.role in _SPEAKER]
     lines.append("Assistant:")
-    return ChatPrompt("\n".join(lines), (DEFAULT_TEMPLATE_STOP,))
+    return ChatPrompt("\n".join(lines), DEFAULT_TEMPLATE_STOPS)
 
 
 def _render_jinja(turns: list[ChatTurn], template: str) -> str:

@@ -8,25 +8,27 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from shoal.api.embeddings import (
+    EmbeddingInput,
     EmbeddingsRequest,
     encode_embeddings_response,
     parse_embeddings_request,
 )
 from shoal.api.rerank import RerankJob, encode_rerank_response, parse_rerank_request
 from shoal.protocol import Endpoint
-from shoal.runtimes.base import EmbeddingRuntime, EmbedOutput
+from shoal.runtimes.base import EmbeddingRuntime, EmbedOutput, takes_token_ids
 from shoal.worker.tasks.isolate import BatchTask
 
 
 @dataclass(slots=True)
 class _Job:
-    """One valid item: the texts it needs embedded, its adapter, how its answer is written."""
+    """One valid item: the inputs it needs embedded, its adapter, how its answer is written."""
 
-    texts: list[str]
+    texts: list[EmbeddingInput]  # texts, or token-id lists of the model's own tokenizer
     request: EmbeddingsRequest | RerankJob
     adapter: str | None
 
@@ -47,17 +49,24 @@ class EmbeddingsHandler(BatchTask[_Job]):
 
     runtime: EmbeddingRuntime
 
+    def __init__(self, runtime: Any, model: str, options: dict[str, Any] | None = None) -> None:
+        super().__init__(runtime, model)
+        self.vocab_size = takes_token_ids(runtime)
+        self.shorter_dimensions = matryoshka_dimensions(runtime, options or {})
+
     def parse(self, body: bytes, adapter: str | None, endpoint: Endpoint | None) -> _Job:
         if endpoint is Endpoint.RERANK:
             rerank = parse_rerank_request(body)
             return _Job([rerank.query, *rerank.documents], rerank, adapter)
-        request, texts = parse_embeddings_request(body, self.runtime.dimensions)
-        return _Job(texts, request, adapter)
+        request, inputs = parse_embeddings_request(
+            body, self.runtime.dimensions, self.vocab_size, self.shorter_dimensions
+        )
+        return _Job(inputs, request, adapter)
 
     def run(self, jobs: Sequence[_Job]) -> list[bytes]:
-        texts = [text for job in jobs for text in job.texts]
-        text_adapters = [job.adapter for job in jobs for _ in job.texts]
-        output = self._embed(texts, text_adapters if any(text_adapters) else None)
+        inputs = [item for job in jobs for item in job.texts]
+        input_adapters = [job.adapter for job in jobs for _ in job.texts]
+        output = self._embed(inputs, input_adapters if any(input_adapters) else None)
         bodies, offset = [], 0
         for job in jobs:
             end = offset + len(job.texts)
@@ -69,10 +78,64 @@ class EmbeddingsHandler(BatchTask[_Job]):
     def size(self, job: _Job) -> int:
         return len(job.texts)
 
-    def _embed(self, texts: list[str], adapters: list[str | None] | None) -> EmbedOutput:
-        # Adapters are passed only when some text has one: a runtime without LoRA support
-        # takes the texts alone.
-        return self.runtime.embed(texts, adapters) if adapters else self.runtime.embed(texts)
+    def _embed(
+        self, inputs: list[EmbeddingInput], adapters: list[str | None] | None
+    ) -> EmbedOutput:
+        """Texts in one runtime call, token-id inputs in another; rows back in input order."""
+        ids_at = [i for i, item in enumerate(inputs) if not isinstance(item, str)]
+        if not ids_at:
+            return self._call(self.runtime.embed, inputs, adapters)
+        texts_at = [i for i, item in enumerate(inputs) if isinstance(item, str)]
+        # Parsing let token ids through only for a runtime that has this method.
+        embed_token_ids = self.runtime.embed_token_ids  # type: ignore[attr-defined]
+        parts = [(ids_at, self._call(embed_token_ids, inputs, adapters, ids_at))]
+        if texts_at:
+            parts.append((texts_at, self._call(self.runtime.embed, inputs, adapters, texts_at)))
+        width = parts[0][1].vectors.shape[1]
+        vectors = np.empty((len(inputs), width), dtype=np.float32)
+        counts = [0] * len(inputs)
+        for positions, output in parts:
+            vectors[positions] = output.vectors
+            for position, count in zip(positions, output.token_counts, strict=True):
+                counts[position] = count
+        return EmbedOutput(vectors, counts)
+
+    @staticmethod
+    def _call(
+        embed: Any,
+        inputs: list[Any],
+        adapters: list[str | None] | None,
+        positions: list[int] | None = None,
+    ) -> EmbedOutput:
+        if positions is not None:
+            inputs = [inputs[i] for i in positions]
+            adapters = [adapters[i] for i in positions] if adapters else None
+        # Adapters are passed only when some input has one: a runtime without LoRA support
+        # takes the inputs alone.
+        return embed(inputs, adapters) if adapters and any(adapters) else embed(inputs)
+
+
+def matryoshka_dimensions(runtime: Any, options: dict[str, Any]) -> tuple[int, ...]:
+    """The shorter sizes a model's vectors may be cut to (its `dimensions` choices).
+
+    The deployment's option `matryoshka_dimensions` (a list of sizes, or "768,512,256")
+    declares them; otherwise the runtime's own reading of the model's files
+    (`runtime.matryoshka_dimensions`, e.g. a sentence-transformers card trained with
+    MatryoshkaLoss); otherwise none, and `dimensions` must be the model's own size.
+    """
+    declared = options.get("matryoshka_dimensions")
+    if declared is None:
+        return tuple(getattr(runtime, "matryoshka_dimensions", ()) or ())
+    if isinstance(declared, int):
+        declared = [declared]
+    elif isinstance(declared, str):
+        declared = [part for part in declared.replace(" ", "").split(",") if part]
+    try:
+        return tuple(int(size) for size in declared)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"option matryoshka_dimensions must list sizes, e.g. [256, 128] (got {declared!r})"
+        ) from None
 
 
 def cosine_scores(query: np.ndarray, documents: np.ndarray) -> np.ndarray:
