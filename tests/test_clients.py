@@ -20,14 +20,16 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from conftest import wait_until
+from conftest import Launcher, wait_until
 
 from shoal.runtimes.sim import pseudo_embedding
 from shoal.state.keys import create_key
 
 MINILM = "all-MiniLM-L6-v2"
 GEMMA = "gemma-3-270m"
-MRL = "clients-sim-mrl"  # a simulated model declared Matryoshka-trained at 256 and 128
+# A simulated model declared Matryoshka-trained at 256 and 128; "/" and ":" in its name are
+# percent-encoded in the retrieve URL by the openai client.
+MRL = "clients/sim-mrl:v1"
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
     "Shoal workers pull their own batches from a shared queue.",
@@ -63,20 +65,29 @@ def tokenizer(model_path):
 
 
 @pytest.fixture(scope="module")
-def minilm(nats_server, session_launcher):
-    return session_launcher.worker(nats_server.url, MINILM, "--max-batch-items", "32")
+def launcher(tmp_path_factory):
+    """This module's workers, stopped when it ends: left running, they would share the queue
+    of the same model with later modules' workers and take their requests."""
+    launcher = Launcher(tmp_path_factory.mktemp("clients"))
+    yield launcher
+    launcher.stop_all()
 
 
 @pytest.fixture(scope="module")
-def gemma(nats_server, session_launcher):
+def minilm(nats_server, launcher):
+    return launcher.worker(nats_server.url, MINILM, "--max-batch-items", "32")
+
+
+@pytest.fixture(scope="module")
+def gemma(nats_server, launcher):
     options = {"max_sequences": 4, "context_length": 512, "threads": 1}
     args = [arg for key, value in options.items() for arg in ("--option", f"{key}={value}")]
-    return session_launcher.worker(nats_server.url, GEMMA, *args)
+    return launcher.worker(nats_server.url, GEMMA, *args)
 
 
 @pytest.fixture(scope="module")
-def mrl(nats_server, session_launcher):
-    return session_launcher.worker(
+def mrl(nats_server, launcher):
+    return launcher.worker(
         nats_server.url,
         MRL,
         "--runtime",
@@ -130,9 +141,7 @@ def test_openai_models_retrieve(client, gateway_url, minilm):
     assert wrong.status_code == 405 and wrong.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_models_retrieve_shows_only_what_the_key_may_use(
-    nats_server, session_launcher, minilm, mrl
-):
+def test_models_retrieve_shows_only_what_the_key_may_use(nats_server, launcher, minilm, mrl):
     async def make_key() -> str:
         from shoal.broker.connection import connect
 
@@ -144,7 +153,7 @@ def test_models_retrieve_shows_only_what_the_key_may_use(
             await nc.close()
 
     secret = asyncio.run(make_key())
-    _, url = session_launcher.gateway(nats_server.url, "--require-api-keys")
+    _, url = launcher.gateway(nats_server.url, "--require-api-keys")
     keyed = openai.OpenAI(base_url=f"{url}/v1", api_key=secret, max_retries=0)
     wait_until(lambda: _retrievable(keyed, MRL), 10)
     assert keyed.models.retrieve(MRL).id == MRL
