@@ -19,7 +19,8 @@ import pytest
 from shoal.broker.connection import connect
 from shoal.broker.embedded import EmbeddedNats
 from shoal.broker.jetstream import ensure_work_stream
-from shoal.config import QueueSettings
+from shoal.cluster_auth import ADMIN, ClusterCredentials
+from shoal.config import NatsAuth, QueueSettings
 from shoal.protocol import ModelSpec, encode_json, name_token
 from shoal.state.deployments import ensure_models_kv
 from shoal.state.workers import WorkerState, WorkerStatus, read_worker_statuses
@@ -131,9 +132,14 @@ def wait_until(check: Callable[[], object], timeout: float, process: ShoalProces
     raise AssertionError(f"condition not met within {timeout} s{detail}")
 
 
-def worker_statuses(nats_url: str) -> list[WorkerStatus]:
+def cluster_admin_auth(state_dir: Path) -> NatsAuth:
+    """The admin credentials of the `shoal up` (or `shoal nats`) whose state is `state_dir`."""
+    return ClusterCredentials(state_dir / "nats-auth").auth(ADMIN)
+
+
+def worker_statuses(nats_url: str, auth: NatsAuth | None = None) -> list[WorkerStatus]:
     async def read() -> list[WorkerStatus]:
-        nc = await connect(nats_url, name="test")
+        nc = await connect(nats_url, name="test", auth=auth)
         try:
             return await read_worker_statuses(nc.jetstream())
         finally:
@@ -142,8 +148,10 @@ def worker_statuses(nats_url: str) -> list[WorkerStatus]:
     return asyncio.run(read())
 
 
-def worker_status(nats_url: str, pid: int, state: WorkerState | None = None) -> WorkerStatus | None:
-    for status in worker_statuses(nats_url):
+def worker_status(
+    nats_url: str, pid: int, state: WorkerState | None = None, auth: NatsAuth | None = None
+) -> WorkerStatus | None:
+    for status in worker_statuses(nats_url, auth):
         if status.pid == pid and (state is None or status.state == state):
             return status
     return None

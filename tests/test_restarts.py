@@ -23,7 +23,7 @@ import httpx
 import numpy as np
 import psutil
 import pytest
-from conftest import TEST_ENV, free_port, worker_status
+from conftest import TEST_ENV, cluster_admin_auth, free_port, worker_status
 
 from shoal.broker.connection import connect
 from shoal.broker.jetstream import WORK_STREAM, consumer_name
@@ -41,6 +41,7 @@ class Up:
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, **TEST_ENV, "SHOAL_STATE_DIR": str(tmp_path / "state")}
         env.pop("SHOAL_NATS", None)
+        self.state_dir = tmp_path / "state"  # its NATS credentials are under it
         args = ["--model", MODEL, "--port", str(self.port), "--workers", str(workers)]
         self.process = subprocess.Popen(
             [sys.executable, "-m", "shoal", "up", *args, "--request-timeout", "10", *extra],
@@ -184,11 +185,11 @@ class Load:
         return self.results
 
 
-def stream_state(nats_url: str) -> tuple[int, bool]:
+def stream_state(up: Up) -> tuple[int, bool]:
     """The work stream's last sequence and whether the model's consumer exists."""
 
     async def read() -> tuple[int, bool]:
-        nc = await connect(nats_url, name="test")
+        nc = await connect(up.nats_url, name="test", auth=cluster_admin_auth(up.state_dir))
         try:
             js = nc.jetstream()
             info = await js.stream_info(WORK_STREAM)
@@ -217,7 +218,7 @@ def test_killed_nats_server_comes_back_on_its_port_with_its_stream(start_up):
     assert len(before["nats"]) == 1 and len(before["gateway"]) == 1, before
     for i in range(5):
         assert_embeds(up.url, f"before {i}")
-    last_seq, has_consumer = stream_state(up.nats_url)
+    last_seq, has_consumer = stream_state(up)
     assert last_seq >= 5 and has_consumer
 
     load = Load(up.url)
@@ -247,7 +248,7 @@ def test_killed_nats_server_comes_back_on_its_port_with_its_stream(start_up):
     assert [r for sent, _, r in results if sent > recovered_at + 0.2 and r != 200] == []
     assert sum(1 for sent, _, r in results if sent > recovered_at and r == 200) >= 3
     # Same store: the stream kept its history and the model's consumer.
-    last_seq_after, has_consumer_after = stream_state(up.nats_url)
+    last_seq_after, has_consumer_after = stream_state(up)
     assert last_seq_after > last_seq and has_consumer_after
     # Nothing else was restarted.
     after = up.children()
@@ -302,7 +303,9 @@ def test_killed_worker_is_restarted_while_starting_and_after(start_up):
         up,
     )[0]
     wait_until(
-        lambda: worker_status(up.nats_url, replacement, WorkerState.READY),
+        lambda: worker_status(
+            up.nats_url, replacement, WorkerState.READY, cluster_admin_auth(up.state_dir)
+        ),
         20,
         "the new worker READY",
         up,

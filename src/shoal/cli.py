@@ -17,8 +17,10 @@ from shoal.cli_dlq import add_dlq_parser, run_dlq
 from shoal.cli_keys import add_keys_parser, run_keys
 from shoal.cluster_file import (
     ClusterInfo,
+    add_nats_arguments,
+    nats_auth_from_args,
     remove_cluster_info,
-    resolve_nats_url,
+    resolve_nats,
     state_dir,
     write_cluster_info,
 )
@@ -48,11 +50,7 @@ def _parse_option(text: str) -> tuple[str, object]:
 
 
 def _add_nats(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--nats",
-        default=None,
-        help="NATS URL of an existing cluster (env SHOAL_NATS); default: the local cluster",
-    )
+    add_nats_arguments(parser)
 
 
 def _add_model(parser: argparse.ArgumentParser, default: str | None = DEFAULT_MODEL) -> None:
@@ -303,6 +301,8 @@ def _up(args: argparse.Namespace) -> int:
     from shoal.supervisor import Supervisor, UpOptions
 
     nats_url = args.nats or os.environ.get("SHOAL_NATS") or None
+    # Credentials for a NATS given with --nats; the embedded one makes its own.
+    nats_auth = nats_auth_from_args(args)
     batching = ["--max-batch-tokens", str(args.max_batch_tokens), "--batch-wait", args.batch_wait]
     if args.max_batch_items:
         batching += ["--max-batch-items", str(args.max_batch_items)]
@@ -321,8 +321,9 @@ def _up(args: argparse.Namespace) -> int:
     gateway += {"required": ["--require-api-keys"], "off": ["--no-auth"]}.get(
         _api_keys_mode(args), []
     )
-    if token := _admin_token(args):  # to the gateway child through its environment, not argv
-        os.environ["SHOAL_ADMIN_TOKEN"] = token
+    admin_token = _admin_token(args)
+    if admin_token:  # to the gateway child through its environment, not argv
+        os.environ["SHOAL_ADMIN_TOKEN"] = admin_token
     # Each of N workers gets an equal share of the machine's model memory by default.
     budget = args.memory_budget_mb or default_memory_budget_mb() / max(1, args.workers)
     placement = [
@@ -340,6 +341,8 @@ def _up(args: argparse.Namespace) -> int:
         port=args.port or _free_port(args.host),
         workers=args.workers,
         nats_url=nats_url,
+        nats_auth=nats_auth,
+        gateway_admin=bool(admin_token),
         gateway_args=gateway,
         worker_args=[*batching, *placement],
     )
@@ -349,8 +352,14 @@ def _up(args: argparse.Namespace) -> int:
 def _gateway(args: argparse.Namespace) -> int:
     from shoal.gateway.server import serve
 
+    admin_token = _admin_token(args)
+    # The admin API deploys and manages dead letters: on the local cluster that takes the
+    # admin role; without the API the gateway gets only the gateway role's subjects.
+    role = "admin" if admin_token else "gateway"
+    nats_url, nats_auth = resolve_nats(args.nats, nats_auth_from_args(args), role)
     settings = GatewaySettings(
-        nats_url=resolve_nats_url(args.nats),
+        nats_url=nats_url,
+        nats_auth=nats_auth,
         host=args.host,
         port=args.port,
         max_body_bytes=args.max_body_bytes,
@@ -358,7 +367,7 @@ def _gateway(args: argparse.Namespace) -> int:
         stream_idle_timeout_s=args.stream_idle_timeout,
         http_server=args.http_server,
         processes=args.gateways,
-        admin_token=_admin_token(args),
+        admin_token=admin_token,
         api_keys=_api_keys_mode(args),
         queue=QueueSettings.from_environment(),
         http_timeouts=HttpTimeouts.from_environment(),
@@ -407,8 +416,10 @@ def _worker(args: argparse.Namespace) -> int:
         deployed = (args.model,)  # its spec comes from the cluster's deployments
     elif given or not args.fleet:
         models = (_model_spec(args),)
+    nats_url, nats_auth = resolve_nats(args.nats, nats_auth_from_args(args), "worker")
     settings = WorkerSettings(
-        nats_url=resolve_nats_url(args.nats),
+        nats_url=nats_url,
+        nats_auth=nats_auth,
         models=models,
         deployed_models=deployed,
         max_batch_items=args.max_batch_items,
@@ -452,11 +463,20 @@ def _names_a_deployment(args: argparse.Namespace) -> bool:
 
 def _nats(args: argparse.Namespace) -> int:
     from shoal.broker.embedded import EmbeddedNats
+    from shoal.cluster_auth import create_cluster_credentials
 
-    server = EmbeddedNats(store_dir=state_dir() / "nats", port=args.port)
+    credentials = create_cluster_credentials(state_dir() / "nats-auth")
+    server = EmbeddedNats(
+        store_dir=state_dir() / "nats", port=args.port, config_file=credentials.config_file
+    )
     url = server.start()
-    write_cluster_info(ClusterInfo(url, "", os.getpid()))
-    print(f"nats {url}\nPress Ctrl-C to stop.", flush=True)
+    write_cluster_info(ClusterInfo(url, "", os.getpid(), str(credentials.directory)))
+    print(
+        f"nats {url}\n"
+        f"  credentials  {credentials.directory} (admin, gateway, worker; `shoal` commands "
+        "here find them)\nPress Ctrl-C to stop.",
+        flush=True,
+    )
     stop_signals = {signal.SIGINT, signal.SIGTERM}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
     try:
@@ -472,7 +492,8 @@ def _status(args: argparse.Namespace) -> int:
     from shoal.state.workers import read_worker_statuses
 
     async def show() -> None:
-        nc = await connect(resolve_nats_url(args.nats), name="shoal-status")
+        url, auth = resolve_nats(args.nats, nats_auth_from_args(args), "admin")
+        nc = await connect(url, name="shoal-status", auth=auth)
         statuses = await read_worker_statuses(nc.jetstream())
         await nc.close()
         print(
@@ -593,7 +614,8 @@ def _runtimes(args: argparse.Namespace) -> int:
 async def _jetstream(args: argparse.Namespace, name: str):
     from shoal.broker.connection import connect
 
-    nc = await connect(resolve_nats_url(args.nats), name=name)
+    url, auth = resolve_nats(args.nats, nats_auth_from_args(args), "admin")
+    nc = await connect(url, name=name, auth=auth)
     try:
         yield nc.jetstream()
     finally:

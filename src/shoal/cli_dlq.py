@@ -19,6 +19,8 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from shoal.cluster_file import add_nats_arguments, nats_auth_from_args, resolve_nats
+
 if TYPE_CHECKING:
     from shoal.broker.dlq import DeadLetter
 
@@ -58,11 +60,7 @@ def add_dlq_parser(commands: argparse._SubParsersAction) -> None:
     purge.add_argument("--all", action="store_true", help="every dead letter")
 
     for parser in (listing, show, replay, purge):
-        parser.add_argument(
-            "--nats",
-            default=None,
-            help="NATS URL of an existing cluster (env SHOAL_NATS); default: the local cluster",
-        )
+        add_nats_arguments(parser)
 
 
 def run_dlq(args: argparse.Namespace) -> int:
@@ -82,14 +80,14 @@ def run_dlq(args: argparse.Namespace) -> int:
 async def _run(args: argparse.Namespace) -> int:
     from shoal.broker import dlq
     from shoal.broker.connection import connect
-    from shoal.cluster_file import resolve_nats_url
     from shoal.protocol import encode_json
 
-    url = resolve_nats_url(args.nats)
+    url, auth = resolve_nats(args.nats, nats_auth_from_args(args), "admin")
     try:
         # connect() waits for a server forever (right for a service); a command says so.
         nc = await asyncio.wait_for(
-            connect(url, name=f"shoal-dlq-{args.dlq_command}"), CONNECT_TIMEOUT_S
+            connect(url, name=f"shoal-dlq-{args.dlq_command}", auth=auth),
+            CONNECT_TIMEOUT_S,
         )
     except TimeoutError:
         raise _CommandError(f"cannot reach NATS at {url} within {CONNECT_TIMEOUT_S:g} s") from None

@@ -16,6 +16,8 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from shoal.cluster_file import add_nats_arguments, nats_auth_from_args, resolve_nats
+
 if TYPE_CHECKING:
     from shoal.state.keys import ApiKey
 
@@ -47,11 +49,7 @@ def add_keys_parser(commands: argparse._SubParsersAction) -> None:
     revoke.add_argument("id")
 
     for parser in (create, listing, revoke):
-        parser.add_argument(
-            "--nats",
-            default=None,
-            help="NATS URL of an existing cluster (env SHOAL_NATS); default: the local cluster",
-        )
+        add_nats_arguments(parser)
 
 
 def run_keys(args: argparse.Namespace) -> int:
@@ -67,14 +65,14 @@ def run_keys(args: argparse.Namespace) -> int:
 
 async def _run(args: argparse.Namespace) -> int:
     from shoal.broker.connection import connect
-    from shoal.cluster_file import resolve_nats_url
     from shoal.state.keys import ApiKeyError, create_key, list_keys, revoke_key
 
-    url = resolve_nats_url(args.nats)
+    url, auth = resolve_nats(args.nats, nats_auth_from_args(args), "admin")
     try:
         # connect() waits for a server forever (right for a service); a command says so.
         nc = await asyncio.wait_for(
-            connect(url, name=f"shoal-keys-{args.keys_command}"), CONNECT_TIMEOUT_S
+            connect(url, name=f"shoal-keys-{args.keys_command}", auth=auth),
+            CONNECT_TIMEOUT_S,
         )
     except TimeoutError:
         raise ApiKeyError(f"cannot reach NATS at {url} within {CONNECT_TIMEOUT_S:g} s") from None

@@ -22,6 +22,97 @@ def env_default(name: str, fallback: T) -> T:
         raise SystemExit(f"SHOAL_{name}={raw!r} is not a valid {type(fallback).__name__}") from err
 
 
+DEFAULT_INBOX_PREFIX = "_INBOX"
+
+
+@dataclass(frozen=True)
+class NatsAuth:
+    """Who a process is to NATS and how it reaches it: read once, passed to `connect()`.
+
+    Either a user and password (the embedded server's roles), or a NATS `.creds` file (JWT and
+    NKey seed, for an operator-run cluster); TLS files for a server off this machine. Secrets
+    are read from the environment or a file, never from the command line (`ps` shows it).
+    `inbox_prefix` is where replies to this process's requests arrive: the embedded server
+    lets each role subscribe only to its own prefix, so no role sees another's pulled work.
+    """
+
+    user: str = ""
+    password: str = field(default="", repr=False)
+    creds_file: str = ""
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    inbox_prefix: str = DEFAULT_INBOX_PREFIX
+
+    @property
+    def given(self) -> bool:
+        """Whether this names an identity (a user or a .creds file), not only TLS files."""
+        return bool(self.user or self.creds_file)
+
+    @classmethod
+    def read(
+        cls,
+        *,
+        user: str | None = None,
+        password_file: str | None = None,
+        creds_file: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+    ) -> NatsAuth:
+        """From flags (a None falls back to its variable): `SHOAL_NATS_USER`,
+        `SHOAL_NATS_PASSWORD` or the first line of `SHOAL_NATS_PASSWORD_FILE`,
+        `SHOAL_NATS_CREDS`, `SHOAL_NATS_TLS_CA`, `SHOAL_NATS_TLS_CERT`, `SHOAL_NATS_TLS_KEY`,
+        `SHOAL_NATS_INBOX_PREFIX`."""
+        password_path = _or_env(password_file, "NATS_PASSWORD_FILE")
+        if password_path:
+            password = read_secret_file(password_path)
+        else:
+            password = _or_env(None, "NATS_PASSWORD")
+        return cls(
+            user=_or_env(user, "NATS_USER"),
+            password=password,
+            creds_file=_or_env(creds_file, "NATS_CREDS"),
+            tls_ca=_or_env(tls_ca, "NATS_TLS_CA"),
+            tls_cert=_or_env(tls_cert, "NATS_TLS_CERT"),
+            tls_key=_or_env(tls_key, "NATS_TLS_KEY"),
+            inbox_prefix=_or_env(None, "NATS_INBOX_PREFIX") or DEFAULT_INBOX_PREFIX,
+        )
+
+    def environment(self, password_file: str = "") -> dict[str, str]:
+        """The `SHOAL_NATS_*` variables that make a child process read this same auth.
+
+        With `password_file`, the child reads the password from that file and the variable
+        `SHOAL_NATS_PASSWORD` is emptied; every variable is set, so none is inherited.
+        """
+        return {
+            "SHOAL_NATS_USER": self.user,
+            "SHOAL_NATS_PASSWORD": "" if password_file else self.password,
+            "SHOAL_NATS_PASSWORD_FILE": password_file,
+            "SHOAL_NATS_CREDS": self.creds_file,
+            "SHOAL_NATS_TLS_CA": self.tls_ca,
+            "SHOAL_NATS_TLS_CERT": self.tls_cert,
+            "SHOAL_NATS_TLS_KEY": self.tls_key,
+            "SHOAL_NATS_INBOX_PREFIX": self.inbox_prefix,
+        }
+
+
+def _or_env(value: str | None, name: str) -> str:
+    return value if value is not None else os.environ.get(f"SHOAL_{name}", "")
+
+
+def read_secret_file(path: str) -> str:
+    """The first line of a secret file, stripped; a clear exit when it is missing or empty."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            secret = file.readline().strip()
+    except OSError as err:
+        raise SystemExit(f"shoal: cannot read the secret file {path}: {err}") from None
+    if not secret:
+        raise SystemExit(f"shoal: the secret file {path} is empty")
+    return secret
+
+
 @dataclass(frozen=True)
 class QueueSettings:
     """Limits of the work stream and its consumers (set by whoever creates them first)."""
@@ -87,6 +178,7 @@ API_KEY_MODES = ("auto", "required", "off")
 @dataclass(frozen=True)
 class GatewaySettings:
     nats_url: str
+    nats_auth: NatsAuth = field(default_factory=NatsAuth)
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = 4 * 1024 * 1024
@@ -123,6 +215,7 @@ def default_memory_budget_mb() -> float:
 @dataclass(frozen=True)
 class WorkerSettings:
     nats_url: str
+    nats_auth: NatsAuth = field(default_factory=NatsAuth)
     # Models loaded at start and kept (pinned); a fleet worker may start with none.
     models: tuple[ModelSpec, ...] = ()
     # Models to load at start and keep, named only: their spec is read from the deployments.

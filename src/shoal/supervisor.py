@@ -9,6 +9,11 @@ failed initial deploy or a gateway port held by another process ends `shoal up`.
 SIGTERM it stops every child it started: workers first (they drain), then the gateway, then
 nats-server; no child is restarted once the stop has begun.
 
+The embedded nats-server runs with fresh credentials (`cluster_auth.py`): the supervisor
+connects as `admin`, the gateway as `gateway` (`admin` when its admin API is on), each worker
+as `worker`, each child told its user and the path of its password file through its
+environment. A NATS given with `--nats` is used with the credentials given for it.
+
 Everything runs on the main thread: the children get SIGTERM when the thread that started them
 ends (PR_SET_PDEATHSIG), and one thread makes "restart" and "stop" unable to race.
 """
@@ -29,7 +34,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shoal.broker.connection import connect
+from shoal.broker.dlq import ensure_dlq_stream
 from shoal.broker.embedded import EmbeddedNats
+from shoal.cluster_auth import (
+    ADMIN,
+    GATEWAY,
+    WORKER,
+    ClusterCredentials,
+    create_cluster_credentials,
+)
 from shoal.cluster_file import (
     ClusterInfo,
     read_cluster_info,
@@ -37,10 +50,14 @@ from shoal.cluster_file import (
     state_dir,
     write_cluster_info,
 )
-from shoal.config import QueueSettings
+from shoal.config import NatsAuth, QueueSettings
 from shoal.process import child_preexec
 from shoal.protocol import ModelSpec, encode_json
+from shoal.state.attempts import ensure_attempts_kv
 from shoal.state.deployments import DeploymentError, deploy
+from shoal.state.keys import ensure_keys_kv
+from shoal.state.profiles import ensure_profiles_kv
+from shoal.state.workers import ensure_workers_kv
 
 STOP_TIMEOUT_S = 30.0
 READY_TIMEOUT_S = 300.0
@@ -57,6 +74,10 @@ class UpOptions:
     port: int = 8000
     workers: int = 1
     nats_url: str | None = None
+    # Credentials for `nats_url` (every child uses them); the embedded server makes its own.
+    nats_auth: NatsAuth = field(default_factory=NatsAuth)
+    # The gateway's admin API is on: it deploys and handles dead letters (the admin role).
+    gateway_admin: bool = False
     gateway_args: list[str] = field(default_factory=list)
     worker_args: list[str] = field(default_factory=list)
 
@@ -173,6 +194,7 @@ class Supervisor:
         self.options = options
         self.nats: EmbeddedNats | None = None
         self.nats_url = options.nats_url or ""
+        self._credentials: ClusterCredentials | None = None  # the embedded server's
         self.gateway_url = f"http://{options.host}:{options.port}"
         self._nats_child: NatsChild | None = None
         self._gateway: ProcessChild | None = None
@@ -211,7 +233,10 @@ class Supervisor:
             )
             return 1
         if not self.nats_url:
-            self.nats = EmbeddedNats(store_dir=state_dir() / "nats")
+            self._credentials = create_cluster_credentials(state_dir() / "nats-auth")
+            self.nats = EmbeddedNats(
+                store_dir=state_dir() / "nats", config_file=self._credentials.config_file
+            )
             self._nats_child = NatsChild(self.nats)
             self._nats_child.start()
             self.nats_url = self.nats.url
@@ -221,7 +246,10 @@ class Supervisor:
             print(f"shoal up: {err}", file=sys.stderr)
             return 1
         gateway_args = ["--host", options.host, "--port", str(options.port), *options.gateway_args]
-        self._gateway = ProcessChild("gateway", lambda: self._spawn(["gateway", *gateway_args]))
+        gateway_env = self._nats_environment(ADMIN if options.gateway_admin else GATEWAY)
+        self._gateway = ProcessChild(
+            "gateway", lambda: self._spawn(["gateway", *gateway_args], gateway_env)
+        )
         self._gateway.start()
         for i in range(options.workers):
             worker = ProcessChild(f"worker {i + 1}", self._spawn_worker)
@@ -229,7 +257,8 @@ class Supervisor:
             self._workers.append(worker)
         if not self._wait_ready():
             return 1
-        write_cluster_info(ClusterInfo(self.nats_url, self.gateway_url, os.getpid()))
+        auth_dir = str(self._credentials.directory) if self._credentials else ""
+        write_cluster_info(ClusterInfo(self.nats_url, self.gateway_url, os.getpid(), auth_dir))
         print(
             f"Shoal is up: {options.model.name} ({options.model.runtime}) on "
             f"{options.workers} worker(s)\n"
@@ -307,10 +336,33 @@ class Supervisor:
         where = f" on {self.nats_url}" if isinstance(child, NatsChild) else ""
         print(f"shoal up: {child.name} restarted (pid {child.pid}){where}", flush=True)
 
+    def _nats_auth(self, role: str) -> NatsAuth:
+        """A role's credentials: the embedded server's, else those given for `--nats`."""
+        if self._credentials is not None:
+            return self._credentials.auth(role)
+        return self.options.nats_auth
+
+    def _nats_environment(self, role: str) -> dict[str, str]:
+        """What tells a child its NATS credentials (never argv, where `ps` shows it)."""
+        if self._credentials is not None:
+            return self._credentials.environment(role)
+        return self.options.nats_auth.environment()
+
     async def _prepare_queue(self) -> None:
-        nc = await connect(self.nats_url, name="shoal-up")
+        nc = await connect(self.nats_url, name="shoal-up", auth=self._nats_auth(ADMIN))
         try:
-            await deploy(nc.jetstream(), self.options.model, QueueSettings.from_environment())
+            js = nc.jetstream()
+            await deploy(js, self.options.model, QueueSettings.from_environment())
+            # Everything else the children use exists before they start, made by the admin:
+            # the roles may look these up but need not create them.
+            for ensure in (
+                ensure_workers_kv,
+                ensure_keys_kv,
+                ensure_profiles_kv,
+                ensure_attempts_kv,
+                ensure_dlq_stream,
+            ):
+                await ensure(js)
         finally:
             await nc.close()
 
@@ -318,7 +370,10 @@ class Supervisor:
         spec = self.options.model
         # Several workers on one machine share its cores instead of each taking all of them.
         threads = max(1, (os.cpu_count() or 1) // self.options.workers)
-        env = {"SHOAL_THREADS": os.environ.get("SHOAL_THREADS", str(threads))}
+        env = {
+            "SHOAL_THREADS": os.environ.get("SHOAL_THREADS", str(threads)),
+            **self._nats_environment(WORKER),
+        }
         return self._spawn(
             ["worker", "--model-json", encode_json(spec).decode(), *self.options.worker_args], env
         )

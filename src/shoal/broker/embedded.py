@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from shoal.process import child_preexec
@@ -39,10 +40,23 @@ class EmbeddedNats:
 
     The server runs in its own process group, so a Ctrl-C meant for its parent (which stops its
     clients first) does not reach it; it still gets SIGTERM if its parent dies.
+
+    `config_file` is a nats-server config (users and their permissions, `broker/credentials.py`);
+    without one the server lets anyone in, as tests that start their own server want. The
+    flags above still win over the file: the config holds only who may do what.
     """
 
-    def __init__(self, store_dir: Path | None = None, port: int = -1, host: str = "127.0.0.1"):
+    def __init__(
+        self,
+        store_dir: Path | None = None,
+        port: int = -1,
+        host: str = "127.0.0.1",
+        config_file: Path | None = None,
+        extra_args: Sequence[str] = (),
+    ):
         self._own_tmp = store_dir is None
+        self.config_file = config_file
+        self.extra_args = list(extra_args)  # e.g. a cluster node's name and routes (cluster.py)
         self.store_dir = Path(store_dir or tempfile.mkdtemp(prefix="shoal-nats-"))
         self.port = port
         self.host = host
@@ -87,6 +101,9 @@ class EmbeddedNats:
             "--ports_file_dir",
             str(ports_dir),
         ]
+        if self.config_file is not None:
+            command += ["-c", str(self.config_file)]
+        command += self.extra_args
         # Its log goes to a file, not a pipe nobody reads: a full pipe would block the server.
         with self.log_path.open("ab") as log:
             self._process = subprocess.Popen(

@@ -167,6 +167,7 @@ class Gateway:
                 nc = await connect(
                     self.settings.nats_url,
                     name=f"shoal-gateway-{self.gateway_id}",
+                    auth=self.settings.nats_auth,
                     on_disconnect=self._on_nats_lost,
                     on_reconnect=self._on_nats_back,
                 )

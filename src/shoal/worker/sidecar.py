@@ -16,6 +16,7 @@ import os
 import socket
 import uuid
 
+import nats.errors
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import Metric
 
@@ -52,7 +53,9 @@ class WorkerSidecar:
 
     async def run(self) -> None:
         settings = self.settings
-        nc = await connect(settings.nats_url, name=f"shoal-worker-{self.worker_id}")
+        nc = await connect(
+            settings.nats_url, name=f"shoal-worker-{self.worker_id}", auth=settings.nats_auth
+        )
         js = nc.jetstream()
         await ensure_work_stream(js, settings.queue)
         registry = CollectorRegistry()
@@ -70,7 +73,7 @@ class WorkerSidecar:
             for spec in [*settings.models, *await self._deployed_specs(js)]:
                 await holdings.load(spec, pinned=True)
                 # Only a model that loaded becomes known to gateways: a bad spec never is.
-                await register_model(js, spec)
+                await _register(js, spec)
         except ModelLoadError:
             status_task.cancel()
             await holdings.drain_all()
@@ -105,6 +108,25 @@ class WorkerSidecar:
                 )
             specs.append(spec)
         return specs
+
+
+async def _register(js, spec: ModelSpec) -> None:
+    """Register a model this worker was started with, unless it is deployed already.
+
+    Looking first matters: a worker's NATS role may read deployments but not write them (only
+    `shoal deploy` and the admin API do), and `shoal up` deploys before it starts workers. A
+    worker that may not write goes on serving; gateways know its model once it is deployed.
+    """
+    if await read_deployment(js, spec.name) is not None:
+        return
+    try:
+        await register_model(js, spec)
+    except (nats.errors.Error, TimeoutError) as err:  # refused: a publish without permission
+        log.warning(
+            "cannot register model %s (%s): deploy it with `shoal deploy` to route to it",
+            spec.name,
+            err,
+        )
 
 
 async def _follow_deployments(holdings: Holdings, placer: Placer | None) -> None:
