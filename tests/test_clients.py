@@ -80,7 +80,9 @@ def minilm(nats_server, launcher):
 
 @pytest.fixture(scope="module")
 def gemma(nats_server, launcher):
-    options = {"max_sequences": 4, "context_length": 512, "threads": 1}
+    # test_generation_llamacpp.py's options: the first worker of a model stores its profile
+    # (the batch budget) for every later worker of that model in the session.
+    options = {"max_sequences": 8, "context_length": 512, "threads": 1}
     args = [arg for key, value in options.items() for arg in ("--option", f"{key}={value}")]
     return launcher.worker(nats_server.url, GEMMA, *args)
 
