@@ -110,5 +110,6 @@ def test_the_module_table_lists_every_module():
         if path.name not in ("__init__.py", "__main__.py")
     }
     documented = _documented_modules(doc)
-    assert not modules - documented, "modules missing from docs/architecture.md's table"
-    assert not documented - modules, "docs/architecture.md's table names modules that are gone"
+    missing, gone = sorted(modules - documented), sorted(documented - modules)
+    assert not missing, f"modules missing from docs/architecture.md's table: {missing}"
+    assert not gone, f"docs/architecture.md's table names modules that are gone: {gone}"

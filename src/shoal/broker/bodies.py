@@ -21,6 +21,8 @@ from nats.js import JetStreamContext
 from nats.js.api import ObjectStoreConfig
 from nats.js.object_store import ObjectStore
 
+from shoal.broker.cluster import stream_replicas
+
 BODIES_BUCKET = "shoal_bodies"
 # Longer than any request waits (its deadline) plus its redeliveries and a DLQ replay soon
 # after; past it an unanswered body is removed by JetStream.
@@ -75,7 +77,8 @@ async def _ensure_store(js: JetStreamContext) -> ObjectStore:
     except nats.js.errors.BucketNotFoundError:
         pass
     try:
-        config = ObjectStoreConfig(bucket=BODIES_BUCKET, ttl=BODIES_TTL_S)
+        replicas = stream_replicas(js)
+        config = ObjectStoreConfig(bucket=BODIES_BUCKET, ttl=BODIES_TTL_S, replicas=replicas)
         return await js.create_object_store(BODIES_BUCKET, config)
     except nats.js.errors.BadRequestError:  # another component created it meanwhile
         return await js.object_store(BODIES_BUCKET)

@@ -26,6 +26,7 @@ from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 
+from shoal.broker.jetstream import ensure_stream
 from shoal.protocol import (
     WORK_STREAM,
     WORK_SUBJECT_PREFIX,
@@ -108,9 +109,6 @@ def dlq_subject(work_subject: str) -> str:
 async def ensure_dlq_stream(js: JetStreamContext) -> None:
     """The dead-letter stream: limits retention (entries stay until purged, replayed or a
     week old), file storage."""
-    with contextlib.suppress(nats.js.errors.NotFoundError):
-        await js.stream_info(DLQ_STREAM)
-        return
     config = StreamConfig(
         name=DLQ_STREAM,
         subjects=[f"{DLQ_SUBJECT_PREFIX}.>"],
@@ -121,11 +119,7 @@ async def ensure_dlq_stream(js: JetStreamContext) -> None:
         discard=DiscardPolicy.OLD,
         duplicate_window=120.0,
     )
-    try:
-        await js.add_stream(config)
-    except nats.js.errors.BadRequestError as err:
-        if err.err_code != 10058:  # another component created it meanwhile
-            raise
+    await ensure_stream(js, config)
 
 
 async def watch_max_deliveries(

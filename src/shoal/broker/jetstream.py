@@ -23,19 +23,35 @@ from nats.js.api import (
     StreamConfig,
 )
 
+from shoal.broker.cluster import report_replicas, stream_replicas
 from shoal.config import QueueSettings
 from shoal.protocol import WORK_STREAM, WORK_SUBJECT_PREFIX, consumer_name, work_subject
 
 log = logging.getLogger(__name__)
 
 
-async def ensure_work_stream(js: JetStreamContext, queue: QueueSettings) -> None:
-    """The work stream: work-queue retention, bounded per model, deduplicated on request id."""
+async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
+    """Create the stream unless it exists, replicated as the cluster allows
+    (`stream_replicas`); an existing one with fewer replicas is kept and reported."""
+    wanted = stream_replicas(js)
     try:
-        await js.stream_info(WORK_STREAM)
-        return
+        info = await js.stream_info(config.name or "")
     except nats.js.errors.NotFoundError:
         pass
+    else:
+        report_replicas(f"stream {config.name}", info.config.num_replicas or 1, wanted)
+        return
+    config.num_replicas = wanted
+    try:
+        await js.add_stream(config)
+    except nats.js.errors.BadRequestError as err:
+        # Another component created it between our look and our add.
+        if err.err_code != 10058:
+            raise
+
+
+async def ensure_work_stream(js: JetStreamContext, queue: QueueSettings) -> None:
+    """The work stream: work-queue retention, bounded per model, deduplicated on request id."""
     config = StreamConfig(
         name=WORK_STREAM,
         subjects=[f"{WORK_SUBJECT_PREFIX}.>"],
@@ -47,12 +63,7 @@ async def ensure_work_stream(js: JetStreamContext, queue: QueueSettings) -> None
         discard_new_per_subject=True,
         duplicate_window=queue.duplicate_window_s,
     )
-    try:
-        await js.add_stream(config)
-    except nats.js.errors.BadRequestError as err:
-        # Another component created it between our look and our add.
-        if err.err_code != 10058:
-            raise
+    await ensure_stream(js, config)
 
 
 async def ensure_model_consumer(js: JetStreamContext, model: str, queue: QueueSettings) -> str:

@@ -14,11 +14,12 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from functools import partial
 from typing import Any
 
 import msgspec
+import nats.errors
 from nats.aio.client import Client
 from nats.js.kv import KeyValue
 
@@ -63,10 +64,12 @@ from shoal.protocol import (
 )
 from shoal.state.deployments import ModelDirectory
 from shoal.state.idempotency import (
-    ABANDONED_AFTER_S,
+    Claim,
+    IdempotencyRecord,
     answer_body,
     claim,
     ensure_idempotency_kv,
+    mark_queued,
     pending_record,
     record_key,
     release,
@@ -88,6 +91,9 @@ _CLIENT_CLOSED = 499  # nginx's status for "client closed request": metrics only
 DISCONNECT_WATCH_AFTER_S = 0.2
 # Stripe's limit; a key is a client's request id, not a payload.
 MAX_IDEMPOTENCY_KEY_CHARS = 255
+# Tries (0.5 s apart) to free an idempotency key while NATS is away: past them the claim is
+# abandoned at its deadline anyway.
+RELEASE_ATTEMPTS = 120
 # Answered before the body was read to its end: the connection cannot carry another request.
 _UNREAD_BODY = (408, 413)
 _MODEL_PREFIX = "/v1/models/"  # GET /v1/models/{id}: the rest of the path is the model's name
@@ -120,6 +126,7 @@ class Gateway:
         self._js = None
         self._bodies: BodyStore | None = None  # large request bodies (broker/bodies.py)
         self._idempotency: KeyValue | None = None  # opened at the first Idempotency-Key
+        self._releases: set[asyncio.Task[None]] = set()  # idempotency keys being freed
         self._ready = asyncio.Event()
         self._connect_task: asyncio.Task[None] | None = None
         self._openapi_document = load_document()  # static: built from shoal.api's types
@@ -245,6 +252,10 @@ class Gateway:
             await handler(scope, receive, send)
         except ApiError as err:
             await _respond_error(send, err)
+        except nats.errors.Error as err:  # NATS away or failing over: a retry, not a 500
+            log.warning("%s %s: NATS error: %r", scope["method"], path, err)
+            error = ApiError(503, f"The queue (NATS) did not answer: {err}", retry_after=1)
+            await _respond_error(send, error)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -388,8 +399,10 @@ class Gateway:
         receive: Receive,
         request_id: str = "",
         idempotency_key: str = "",
+        on_queued: Callable[[], Awaitable[None]] | None = None,
     ) -> tuple[int, bytes]:
         """Queue one request and wait for its result; returns (HTTP status, response body).
+        `on_queued` runs once JetStream has stored it.
 
         A client that disconnects while waiting cancels the request: its work is dropped
         before it runs, or stopped at the next step of a generation.
@@ -401,6 +414,8 @@ class Gateway:
         try:
             request = self._work_request(request_id, endpoint, body, False, idempotency_key)
             await self._queue(model, endpoint, request)
+            if on_queued is not None:
+                await on_queued()
             reply = await future
         except TimeoutError:
             raise ApiError(504, f"No result within {timeout_s:g} s", code="timeout") from None
@@ -433,49 +448,89 @@ class Gateway:
                 f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY_CHARS} characters",
                 param="Idempotency-Key",
             )
-        kv = await self._idempotency_kv()
+        with _unavailable_as_503():
+            kv = await self._idempotency_kv()
         key = record_key(client_key, endpoint.value, principal)
         timeout_s = self.settings.request_timeout_s
         give_up = time.monotonic() + timeout_s
         while True:
             request_id = uuid.uuid4().hex
             pending = pending_record(body, request_id, now_ms() + int(timeout_s * 1000))
-            held = await claim(kv, key, pending)
-            if held is not None:
-                record, revision = held
-                if record.body_hash != pending.body_hash:
-                    raise ApiError(
-                        422,
-                        "This Idempotency-Key was used with another request body",
-                        param="Idempotency-Key",
-                        code="idempotency_key_reused",
-                    )
-                if record.done:
-                    answer = await answer_body(self._store(), key, record)
-                    if answer is not None:
-                        return record.status, answer, True
-                if not (record.done or record.abandoned(now_ms())):
-                    # Running elsewhere: wait for its answer, or until it is abandoned.
-                    until_abandoned = (record.deadline_ms - now_ms()) / 1000 + ABANDONED_AFTER_S
-                    wait_s = min(give_up - time.monotonic(), max(0.05, until_abandoned))
-                    if wait_s <= 0:
-                        raise ApiError(504, f"No result within {timeout_s:g} s", code="timeout")
-                    await wait_for_change(kv, key, revision, wait_s)
-                    continue
-                if not await take_over(kv, key, pending, revision):
-                    continue  # another retry took it over first
+            with _unavailable_as_503():
+                settled = await self._settle_claim(kv, key, pending, give_up)
+            if settled is _CLAIM_AGAIN:
+                continue
+            if isinstance(settled, IdempotencyRecord):
+                return settled.status, settled.body, True
+            assert isinstance(settled, Claim)
+
+            async def queued(claimed: Claim = settled) -> None:
+                with contextlib.suppress(Exception):  # unmarked: abandoned after a grace
+                    await mark_queued(kv, key, claimed)
+
             try:
                 status, payload = await self._dispatch(
-                    model, endpoint, body, receive, request_id, idempotency_key=key
+                    model, endpoint, body, receive, request_id, key, on_queued=queued
                 )
             except ApiError as err:
                 if err.status != 504:  # not queued, or told to retry: the key is free again
-                    await release(kv, key)
+                    self._release_soon(kv, key)
                 raise
             except ClientGone:
-                await release(kv, key)  # cancelled: a retry runs it anew
+                self._release_soon(kv, key)  # cancelled: a retry runs it anew
                 raise
             return status, payload, False
+
+    def _release_soon(self, kv: KeyValue, key: str) -> None:
+        """Free an idempotency key now or, while NATS is away (the usual reason the request
+        failed), as soon as it is back: a retry waiting on the key then runs at once instead
+        of waiting for the claim to be abandoned at its deadline."""
+
+        async def release_until_done() -> None:
+            for _ in range(RELEASE_ATTEMPTS):
+                try:
+                    await release(kv, key)
+                    return
+                except Exception as err:
+                    log.debug("releasing an idempotency key failed, trying again: %s", err)
+                    await asyncio.sleep(0.5)
+
+        task = asyncio.ensure_future(release_until_done())
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _settle_claim(
+        self, kv: KeyValue, key: str, pending: IdempotencyRecord, give_up: float
+    ) -> Claim | IdempotencyRecord | object:
+        """Claim `key` for `pending`: our Claim when it is ours to run; the DONE record to
+        replay; `_CLAIM_AGAIN` after waiting for another request's answer or losing a
+        take-over."""
+        claimed = await claim(kv, key, pending)
+        if claimed.ours:
+            return claimed
+        record, revision = claimed.record, claimed.revision
+        if record.body_hash != pending.body_hash:
+            raise ApiError(
+                422,
+                "This Idempotency-Key was used with another request body",
+                param="Idempotency-Key",
+                code="idempotency_key_reused",
+            )
+        if record.done:
+            answer = await answer_body(self._store(), key, record)
+            if answer is not None:
+                return msgspec.structs.replace(record, body=answer)
+        if not (record.done or record.abandoned(now_ms())):
+            # Running elsewhere: wait for its answer, or until it is abandoned.
+            until_abandoned = (record.abandoned_at_ms() - now_ms()) / 1000
+            wait_s = min(give_up - time.monotonic(), max(0.05, until_abandoned))
+            if wait_s <= 0:
+                timeout_s = self.settings.request_timeout_s
+                raise ApiError(504, f"No result within {timeout_s:g} s", code="timeout")
+            await wait_for_change(kv, key, revision, wait_s)
+            return _CLAIM_AGAIN
+        taken = await take_over(kv, key, pending, revision)
+        return _CLAIM_AGAIN if taken is None else taken  # None: another retry was first
 
     async def _idempotency_kv(self) -> KeyValue:
         self._connected_js()
@@ -656,6 +711,19 @@ def _retry_after_on_503(send: Send) -> Send:
         await send(message)
 
     return wrapped
+
+
+_CLAIM_AGAIN = object()  # `_settle_claim`: look at the key again
+
+
+@contextlib.contextmanager
+def _unavailable_as_503() -> Iterator[None]:
+    """NATS errors (a node going away, a stream without a leader yet) become a 503 with
+    Retry-After: the client is told to retry, not given a 500."""
+    try:
+        yield
+    except nats.errors.Error as err:
+        raise ApiError(503, f"The queue (NATS) did not answer: {err}", retry_after=1) from None
 
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:

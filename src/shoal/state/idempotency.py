@@ -26,6 +26,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from shoal.broker.bodies import BodyMissingError, BodyStore
+from shoal.protocol import now_ms
 from shoal.state.kv import ensure_bucket
 
 IDEMPOTENCY_BUCKET = "shoal_idempotency"
@@ -34,6 +35,8 @@ DEFAULT_WINDOW_S = 600.0
 INLINE_ANSWER_BYTES = 256 * 1024
 # A PENDING record is abandoned this long after its request's deadline with no answer.
 ABANDONED_AFTER_S = 2.0
+# A PENDING record not marked queued is abandoned this long after its claim.
+UNQUEUED_GRACE_S = 5.0
 
 
 class IdempotencyRecord(msgspec.Struct, array_like=True, frozen=True):
@@ -46,9 +49,28 @@ class IdempotencyRecord(msgspec.Struct, array_like=True, frozen=True):
     status: int = 0
     body: bytes = b""
     body_stored: bool = False  # the answer is in the object store, not in `body`
+    # Set once the request is on the queue. A claim whose request was never queued (its
+    # gateway died, or NATS failed over between the claim and the publish) is abandoned
+    # after `UNQUEUED_GRACE_S`, not at its deadline.
+    queued: bool = False
+    created_ms: int = 0
+
+    def abandoned_at_ms(self) -> int:
+        """When a PENDING record counts as abandoned (unix ms)."""
+        if not self.queued:
+            return self.created_ms + int(UNQUEUED_GRACE_S * 1000)
+        return self.deadline_ms + int(ABANDONED_AFTER_S * 1000)
 
     def abandoned(self, now: int) -> bool:
-        return not self.done and now > self.deadline_ms + ABANDONED_AFTER_S * 1000
+        return not self.done and now > self.abandoned_at_ms()
+
+
+class Claim(msgspec.Struct, frozen=True):
+    """The outcome of claiming a key: `ours`, and the record holding it at `revision`."""
+
+    ours: bool
+    record: IdempotencyRecord
+    revision: int
 
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -76,33 +98,36 @@ async def open_idempotency_kv(js: JetStreamContext) -> KeyValue:
     return await js.key_value(IDEMPOTENCY_BUCKET)
 
 
-async def claim(
-    kv: KeyValue, key: str, record: IdempotencyRecord
-) -> tuple[IdempotencyRecord, int] | None:
-    """Claim `key` for a new request: None when claimed; else the record that holds it and
-    its revision (for `take_over`)."""
+async def claim(kv: KeyValue, key: str, record: IdempotencyRecord) -> Claim:
+    """Claim `key` for a new request: ours (with our revision), or held by another record."""
     try:
-        await kv.create(key, _encode(record))
-        return None
+        return Claim(True, record, await kv.create(key, _encode(record)))
     except nats.js.errors.KeyWrongLastSequenceError:
         pass
     entry = await kv.get(key)
-    return _decode(entry.value or b""), entry.revision or 0
+    return Claim(False, _decode(entry.value or b""), entry.revision or 0)
 
 
-async def take_over(kv: KeyValue, key: str, record: IdempotencyRecord, revision: int) -> bool:
+async def take_over(
+    kv: KeyValue, key: str, record: IdempotencyRecord, revision: int
+) -> Claim | None:
     """Replace an abandoned record with a new PENDING one, unless another retry did first."""
     try:
-        await kv.update(key, _encode(record), last=revision)
+        return Claim(True, record, await kv.update(key, _encode(record), last=revision))
     except nats.js.errors.KeyWrongLastSequenceError:
-        return False
-    return True
+        return None
+
+
+async def mark_queued(kv: KeyValue, key: str, claim: Claim) -> None:
+    """Our claimed request is on the queue: it is abandoned only at its deadline now."""
+    queued = msgspec.structs.replace(claim.record, queued=True)
+    await kv.update(key, _encode(queued), last=claim.revision)
 
 
 async def release(kv: KeyValue, key: str) -> None:
-    """Give up a claim whose request was never queued (refused, or the publish failed)."""
-    with contextlib.suppress(Exception):
-        await kv.delete(key)
+    """Give up a claim whose request was never queued (refused, or the publish failed);
+    raises when NATS does not answer (the caller tries again once it is back)."""
+    await kv.delete(key)
 
 
 async def store_answer(
@@ -153,4 +178,4 @@ async def wait_for_change(
 
 
 def pending_record(body: bytes, request_id: str, deadline_ms: int) -> IdempotencyRecord:
-    return IdempotencyRecord(body_hash(body), request_id, deadline_ms)
+    return IdempotencyRecord(body_hash(body), request_id, deadline_ms, created_ms=now_ms())

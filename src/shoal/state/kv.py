@@ -14,6 +14,8 @@ from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig
 from nats.js.kv import KeyValue
 
+from shoal.broker.cluster import report_replicas, stream_replicas
+
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
@@ -22,13 +24,21 @@ _DELETE_OPS = frozenset({"DEL", "PURGE"})
 
 
 async def ensure_bucket(js: JetStreamContext, bucket: str, ttl_s: float | None = None) -> KeyValue:
-    """The bucket, created if it is missing (whoever creates it first sets its TTL)."""
+    """The bucket, created if it is missing (whoever creates it first sets its TTL), replicated
+    as the cluster allows; an existing one with fewer replicas is kept and reported."""
+    wanted = stream_replicas(js)
     try:
-        return await js.key_value(bucket)
+        kv = await js.key_value(bucket)
     except nats.js.errors.BucketNotFoundError:
         pass
+    else:
+        if wanted > 1:  # on one server nothing can have fewer
+            replicas = (await kv.status()).stream_info.config.num_replicas or 1
+            report_replicas(f"bucket {bucket}", replicas, wanted)
+        return kv
+    config = KeyValueConfig(bucket=bucket, history=1, ttl=ttl_s, replicas=wanted)
     try:
-        return await js.create_key_value(KeyValueConfig(bucket=bucket, history=1, ttl=ttl_s))
+        return await js.create_key_value(config)
     except nats.js.errors.BadRequestError:  # another component created it meanwhile
         return await js.key_value(bucket)
 
