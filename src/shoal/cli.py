@@ -206,6 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     nats_cmd = commands.add_parser("nats", help="the embedded nats-server alone")
     nats_cmd.add_argument("--port", type=int, default=env_default("NATS_PORT", -1))
+    nats_cmd.add_argument(
+        "--cluster",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run N nodes joined into one JetStream cluster on this machine (each on a free "
+        "port; --port is then ignored), to try replication and failover",
+    )
 
     status = commands.add_parser("status", help="the workers of a cluster and what they do")
     _add_nats(status)
@@ -462,13 +470,20 @@ def _names_a_deployment(args: argparse.Namespace) -> bool:
 
 
 def _nats(args: argparse.Namespace) -> int:
+    from shoal.broker.cluster import LocalCluster
     from shoal.broker.embedded import EmbeddedNats
     from shoal.cluster_auth import create_cluster_credentials
 
     credentials = create_cluster_credentials(state_dir() / "nats-auth")
-    server = EmbeddedNats(
-        store_dir=state_dir() / "nats", port=args.port, config_file=credentials.config_file
-    )
+    server: EmbeddedNats | LocalCluster
+    if args.cluster > 1:
+        server = LocalCluster(
+            args.cluster, state_dir() / "nats-cluster", config_file=credentials.config_file
+        )
+    else:
+        server = EmbeddedNats(
+            store_dir=state_dir() / "nats", port=args.port, config_file=credentials.config_file
+        )
     url = server.start()
     write_cluster_info(ClusterInfo(url, "", os.getpid(), str(credentials.directory)))
     print(

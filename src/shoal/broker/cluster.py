@@ -33,7 +33,9 @@ MAX_REPLICAS = 3  # JetStream's usual replication; more costs writes and buys li
 class LocalCluster:
     """`nodes` nats-server processes on 127.0.0.1, routed into one JetStream cluster."""
 
-    def __init__(self, nodes: int, store_dir: Path | None = None) -> None:
+    def __init__(
+        self, nodes: int, store_dir: Path | None = None, config_file: Path | None = None
+    ) -> None:
         if nodes < 1:
             raise ValueError("a cluster has at least one node")
         root = Path(store_dir or tempfile.mkdtemp(prefix="shoal-nats-cluster-"))
@@ -43,6 +45,7 @@ class LocalCluster:
             EmbeddedNats(
                 store_dir=root / f"node{index + 1}",
                 port=_free_port(),
+                config_file=config_file,  # the users and permissions, as on one server
                 extra_args=[
                     "-n",
                     f"node{index + 1}",
