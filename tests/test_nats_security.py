@@ -9,7 +9,10 @@ so on the connection (`Permissions Violation`). So each "refused" check looks at
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -480,3 +483,134 @@ def test_shoal_up_serves_with_credentials_that_no_argv_shows(tmp_path):
     deadline = time.monotonic() + 10
     while (tmp_path / "state" / "cluster.json").exists() and time.monotonic() < deadline:
         time.sleep(0.1)
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def _certificates(folder: Path) -> None:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, signed by the CA."""
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test-ca",
+             "-keyout", "ca.key", "-out", "ca.pem", cwd=folder)  # fmt: skip
+    (folder / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name in ("server", "client"):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
+                 "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=folder)  # fmt: skip
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                 "-CAcreateserial", "-days", "1", "-extfile", "san.ext",
+                 "-out", f"{name}.pem", cwd=folder)  # fmt: skip
+
+
+@pytest.mark.skipif(not shutil.which("openssl"), reason="needs the openssl command")
+def test_tls_with_client_certificates_for_a_server_off_this_machine(tmp_path):
+    """What `--nats-tls-ca`, `--nats-tls-cert` and `--nats-tls-key` are for: a server that
+    requires TLS and a client certificate, on top of the roles' passwords."""
+    _certificates(tmp_path)
+    credentials = create_cluster_credentials(tmp_path / "nats-auth")
+    config = json.loads(credentials.config_file.read_text())
+    config["tls"] = {
+        "cert_file": str(tmp_path / "server.pem"),
+        "key_file": str(tmp_path / "server.key"),
+        "ca_file": str(tmp_path / "ca.pem"),
+        "verify": True,
+    }
+    config_file = tmp_path / "tls.conf"
+    config_file.write_text(json.dumps(config))
+    server = EmbeddedNats(store_dir=tmp_path / "store", config_file=config_file)
+    url = server.start().replace("nats://", "tls://")
+    tls = {
+        "tls_ca": str(tmp_path / "ca.pem"),
+        "tls_cert": str(tmp_path / "client.pem"),
+        "tls_key": str(tmp_path / "client.key"),
+    }
+
+    async def check() -> None:
+        worker = dataclasses.replace(credentials.auth(WORKER), **tls)
+        gateway = dataclasses.replace(credentials.auth(GATEWAY), **tls)
+        sender, receiver = await _connect(url, worker), await _connect(url, gateway)
+        assert await _received(receiver, reply_subject("gw"), sender, b"over tls") == [b"over tls"]
+        await sender.close()
+        await receiver.close()
+        plain = url.replace("tls://", "nats://")
+        no_client_certificate = dataclasses.replace(worker, tls_cert="", tls_key="")
+        for target, auth in ((plain, credentials.auth(WORKER)), (url, no_client_certificate)):
+            with pytest.raises((nats.errors.Error, OSError, TimeoutError)):
+                await _connect(target, auth)
+
+    try:
+        _run(check())
+    finally:
+        server.stop()
+
+
+def test_shoal_up_on_a_secured_external_nats_hands_its_credentials_on(tmp_path):
+    """`shoal up --nats URL --nats-user U --nats-password-file F`: every child connects as U,
+    told the file's path through its environment, never the password."""
+    credentials = create_cluster_credentials(tmp_path / "nats-auth")
+    server = EmbeddedNats(store_dir=tmp_path / "store", config_file=credentials.config_file)
+    nats_url = server.start()
+    env = {**os.environ, **TEST_ENV, "SHOAL_STATE_DIR": str(tmp_path / "state")}
+    for name in [v for v in env if v.startswith("SHOAL_NATS")]:
+        env.pop(name)
+    port = free_port()
+    log_path = tmp_path / "up.log"
+    password_file = credentials.password_file(ADMIN)
+    with log_path.open("wb") as log:
+        up = subprocess.Popen(
+            [sys.executable, "-m", "shoal", "up", "--model", "sim-zero", "--port", str(port),
+             "--nats", nats_url, "--nats-user", ADMIN, "--nats-password-file", str(password_file)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        wait_until(lambda: b"Ctrl-C" in log_path.read_bytes() or up.poll() is not None, 90)
+        assert up.poll() is None, log_path.read_text()
+        response = httpx.post(
+            f"http://127.0.0.1:{port}/v1/embeddings",
+            json={"model": "sim-zero", "input": ["external"]},
+            timeout=30,
+        )
+        assert response.status_code == 200, response.text
+        password = credentials.auth(ADMIN).password.encode()
+        children = _descendants(up.pid)
+        assert len(children) >= 2  # gateway, worker (no nats-server of its own)
+        for pid in children:
+            assert password not in _proc_bytes(pid, "cmdline")
+            environ = _proc_bytes(pid, "environ").split(b"\0")
+            assert password not in b"\0".join(environ)
+            assert f"SHOAL_NATS_PASSWORD_FILE={password_file}".encode() in environ
+    finally:
+        up.send_signal(signal.SIGTERM)
+        try:
+            assert up.wait(60) == 0, log_path.read_text()
+        finally:
+            if up.poll() is None:
+                up.kill()
+            server.stop()
+
+
+def test_auth_is_read_from_flags_else_the_environment_and_handed_on(tmp_path, monkeypatch):
+    secret = tmp_path / "password"
+    secret.write_text("from-the-file\nignored\n")
+    monkeypatch.setenv("SHOAL_NATS_USER", "env-user")
+    monkeypatch.setenv("SHOAL_NATS_PASSWORD", "from-the-environment")
+    monkeypatch.setenv("SHOAL_NATS_TLS_CA", "/env/ca.pem")
+    from_env = NatsAuth.read()
+    assert (from_env.user, from_env.password, from_env.tls_ca) == (
+        "env-user",
+        "from-the-environment",
+        "/env/ca.pem",
+    )
+    flagged = NatsAuth.read(user="flag-user", password_file=str(secret))
+    assert (flagged.user, flagged.password) == ("flag-user", "from-the-file")
+    assert "from-the-file" not in repr(flagged)
+    # A child given these variables reads the same auth, its password from the file.
+    for name, value in flagged.environment().items():
+        monkeypatch.setenv(name, value)
+    assert NatsAuth.read() == flagged
+    assert flagged.environment()["SHOAL_NATS_PASSWORD"] == ""
+    secret.write_text("")
+    with pytest.raises(SystemExit, match="empty"):
+        NatsAuth.read(password_file=str(secret))

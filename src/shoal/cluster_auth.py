@@ -135,9 +135,11 @@ class ClusterCredentials:
 
     def auth(self, role: str) -> NatsAuth:
         """A role's credentials, read from its password file."""
+        path = str(self.password_file(role))
         return NatsAuth(
             user=role,
-            password=read_secret_file(str(self.password_file(role))),
+            password=read_secret_file(path),
+            password_file=path,
             inbox_prefix=inbox_prefix(role),
         )
 

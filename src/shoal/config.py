@@ -38,6 +38,7 @@ class NatsAuth:
 
     user: str = ""
     password: str = field(default="", repr=False)
+    password_file: str = ""  # where `password` was read from, handed on to children
     creds_file: str = ""
     tls_ca: str = ""
     tls_cert: str = ""
@@ -72,6 +73,7 @@ class NatsAuth:
         return cls(
             user=_or_env(user, "NATS_USER"),
             password=password,
+            password_file=password_path,
             creds_file=_or_env(creds_file, "NATS_CREDS"),
             tls_ca=_or_env(tls_ca, "NATS_TLS_CA"),
             tls_cert=_or_env(tls_cert, "NATS_TLS_CERT"),
@@ -82,9 +84,11 @@ class NatsAuth:
     def environment(self, password_file: str = "") -> dict[str, str]:
         """The `SHOAL_NATS_*` variables that make a child process read this same auth.
 
-        With `password_file`, the child reads the password from that file and the variable
-        `SHOAL_NATS_PASSWORD` is emptied; every variable is set, so none is inherited.
+        With a password file (`password_file`, else the one this was read from), the child
+        reads the password from it and `SHOAL_NATS_PASSWORD` is emptied; every variable is
+        set, so none is inherited.
         """
+        password_file = password_file or self.password_file
         return {
             "SHOAL_NATS_USER": self.user,
             "SHOAL_NATS_PASSWORD": "" if password_file else self.password,

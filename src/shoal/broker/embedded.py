@@ -200,7 +200,8 @@ class EmbeddedNats:
 
 
 def _accepts_connections(url: str) -> bool:
-    host, _, port = url.removeprefix("nats://").rpartition(":")
+    # nats:// or, with TLS in the config, tls://
+    host, _, port = url.partition("://")[2].rpartition(":")
     try:
         with socket.create_connection((host, int(port)), timeout=0.5):
             return True
