@@ -9,6 +9,8 @@ import logging
 import os
 import signal
 import sys
+import time
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -36,6 +38,23 @@ from shoal.config import (
 )
 from shoal.protocol import ModelSpec, Task, is_valid_model_name
 from shoal.runtimes.registry import check_runtime
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+
+    from shoal.state.workers import WorkerStatus
+
+# How long a command waits for NATS before it says it cannot reach it (a service waits forever).
+CONNECT_TIMEOUT_S = 10.0
+
+
+def nats_unreachable(url: str, timeout_s: float) -> str:
+    """The message for a NATS that did not answer: the URL tried and what to check."""
+    return (
+        f"cannot reach NATS at {url} within {timeout_s:g} s: check that the server runs "
+        "(`shoal up` or `shoal nats`), that the URL is right (--nats or SHOAL_NATS), and that "
+        "the credentials and TLS files suit it (--nats-user, --nats-creds, --nats-tls-ca)"
+    )
 
 
 def _parse_option(text: str) -> tuple[str, object]:
@@ -217,6 +236,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = commands.add_parser("status", help="the workers of a cluster and what they do")
     _add_nats(status)
+    status.add_argument("--json", action="store_true", help="one JSON document")
+    status.add_argument(
+        "--watch", action="store_true", help="refresh every --interval seconds until Ctrl-C"
+    )
+    status.add_argument(
+        "--interval", type=float, default=2.0, help="seconds between refreshes (default 2)"
+    )
 
     deploy = commands.add_parser("deploy", help="deploy a model (no restart anywhere)")
     deploy.add_argument("name", help="the name clients use; a built-in name needs no flags")
@@ -224,6 +250,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_spec_flags(deploy)
     deploy.add_argument("--base", default=None, help="the deployment a LoRA adapter is for")
     deploy.add_argument("--lora", default=None, help="a PEFT LoRA adapter directory (--base)")
+    deploy.add_argument(
+        "--wait",
+        action="store_true",
+        help="wait until a worker reports it ready, printing its load states; exit 1 if a "
+        "worker fails to load it or after --timeout",
+    )
+    deploy.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds --wait waits for a ready worker (default 300)",
+    )
 
     undeploy = commands.add_parser("undeploy", help="remove a deployment")
     undeploy.add_argument("name")
@@ -503,28 +541,55 @@ def _nats(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from shoal.broker.connection import connect
     from shoal.state.workers import read_worker_statuses
 
-    async def show() -> None:
-        url, auth = resolve_nats(args.nats, nats_auth_from_args(args), "admin")
-        nc = await connect(url, name="shoal-status", auth=auth)
-        statuses = await read_worker_statuses(nc.jetstream())
-        await nc.close()
-        print(
-            f"{'WORKER':<36} {'MODEL':<22} {'RUNTIME':<12} {'STATE':<9} "
-            f"{'ITEMS':>8} {'BUDGET':>6} {'LARGEST':>7} {'BUSY':>6}"
-        )
-        for s in statuses:
-            runtime = f"{s.runtime} (sim)" if s.simulated else s.runtime
-            print(
-                f"{s.worker_id:<36} {s.model:<22} {runtime:<12} {s.state.value:<9} "
-                f"{s.items_done:>8} {s.max_batch_items:>6} {s.largest_batch:>7} "
-                f"{s.busy_fraction:>6.0%}"
-            )
+    if args.interval <= 0:
+        raise SystemExit("shoal status: --interval must be more than 0 seconds")
+    # Clearing the screen only makes sense on a terminal; piped output keeps every refresh.
+    clear = args.watch and sys.stdout.isatty()
 
-    asyncio.run(show())
+    async def show() -> None:
+        nc = await _connect(args, "shoal-status")
+        try:
+            while True:
+                statuses = await read_worker_statuses(nc.jetstream())
+                if clear:
+                    print("\x1b[H\x1b[2J", end="")
+                if args.watch and not args.json:
+                    print(f"shoal status, every {args.interval:g} s: {time.strftime('%H:%M:%S')}")
+                _print_statuses(statuses, args.json)
+                sys.stdout.flush()
+                if not args.watch:
+                    return
+                await asyncio.sleep(args.interval)
+        finally:
+            await nc.close()
+
+    with contextlib.suppress(KeyboardInterrupt):  # how --watch ends
+        asyncio.run(show())
     return 0
+
+
+def _print_statuses(statuses: list[WorkerStatus], as_json: bool) -> None:
+    """The workers' reports as a table, or as one JSON document (a list of WorkerStatus)."""
+    from shoal.protocol import encode_json
+
+    if as_json:
+        print(encode_json(statuses).decode())
+        return
+    print(
+        f"{'WORKER':<36} {'MODEL':<22} {'RUNTIME':<12} {'STATE':<9} "
+        f"{'ITEMS':>8} {'BUDGET':>6} {'LARGEST':>7} {'BUSY':>6}"
+    )
+    for s in statuses:
+        runtime = f"{s.runtime} (sim)" if s.simulated else s.runtime
+        print(
+            f"{s.worker_id:<36} {s.model:<22} {runtime:<12} {s.state.value:<9} "
+            f"{s.items_done:>8} {s.max_batch_items:>6} {s.largest_batch:>7} "
+            f"{s.busy_fraction:>6.0%}"
+        )
+    if not statuses:
+        print("(no worker reports: none running, or none has reported yet)")
 
 
 def _deploy(args: argparse.Namespace) -> int:
@@ -546,16 +611,67 @@ def _deploy(args: argparse.Namespace) -> int:
         spec = asyncio.run(run())
     except DeploymentError as err:
         raise SystemExit(f"shoal deploy: {err}") from None
-    print(f"deployed {spec.name} ({spec.runtime}, {spec.task.value})")
-    return 0
+    print(f"deployed {spec.name} ({spec.runtime}, {spec.task.value})", flush=True)
+    if not args.wait:
+        return 0
+    try:
+        return asyncio.run(_wait_until_loaded(args, spec.name))
+    except KeyboardInterrupt:
+        return 130
+
+
+async def _wait_until_loaded(args: argparse.Namespace, model: str) -> int:
+    """`deploy --wait`: print each worker's load state as it changes until one is READY (0);
+    1 when a worker reports FAILED or after --timeout."""
+    from shoal.state.fleet import LoadProgress
+    from shoal.state.workers import WorkerState, read_worker_statuses
+
+    progress = LoadProgress(model)
+    deadline = time.monotonic() + args.timeout
+    seen_any = False
+    nc = await _connect(args, "shoal-deploy-wait")
+    try:
+        while time.monotonic() < deadline:
+            statuses = await read_worker_statuses(nc.jetstream())
+            for status, line in progress.changes(statuses, lambda s: f"worker {s.worker_id}"):
+                seen_any = True
+                print(line, flush=True)
+                if status.state is WorkerState.READY:
+                    return 0
+                if status.state is WorkerState.FAILED:
+                    print(f"shoal deploy: {model} failed to load: {status.error}", file=sys.stderr)
+                    return 1
+            await asyncio.sleep(0.25)
+    finally:
+        await nc.close()
+    why = (
+        "workers took it up but none became ready"
+        if seen_any
+        else "no worker picked it up: a fleet worker loads a model only when requests for it "
+        f"are queued (send one), or start a worker for it: `shoal worker --model {model}`"
+    )
+    print(
+        f"shoal deploy: no worker reported {model} ready within {args.timeout:g} s; {why}",
+        file=sys.stderr,
+    )
+    return 1
 
 
 def _undeploy(args: argparse.Namespace) -> int:
-    from shoal.state.deployments import DeploymentError, undeploy
+    from shoal.state.deployments import DeploymentError, list_deployments, undeploy
 
     async def run() -> None:
         async with _jetstream(args, "shoal-undeploy") as js:
-            await undeploy(js, args.name)
+            try:
+                await undeploy(js, args.name)
+            except DeploymentError as err:
+                names = [spec.name for spec in await list_deployments(js)]
+                if args.name in names:  # it exists: the error is something else
+                    raise
+                deployed = ", ".join(names) if names else "none"
+                raise DeploymentError(
+                    f"{err}; deployed: {deployed} (`shoal models` lists them)"
+                ) from None
 
     try:
         asyncio.run(run())
@@ -625,12 +741,23 @@ def _runtimes(args: argparse.Namespace) -> int:
     return 0
 
 
-@contextlib.asynccontextmanager
-async def _jetstream(args: argparse.Namespace, name: str):
+async def _connect(args: argparse.Namespace, name: str) -> Client:
+    """An admin connection for a command; exits with what to check when NATS is unreachable
+    (connect() itself waits for a server forever, right for a service)."""
     from shoal.broker.connection import connect
 
     url, auth = resolve_nats(args.nats, nats_auth_from_args(args), "admin")
-    nc = await connect(url, name=name, auth=auth)
+    try:
+        return await asyncio.wait_for(connect(url, name=name, auth=auth), CONNECT_TIMEOUT_S)
+    except TimeoutError:
+        raise SystemExit(
+            f"shoal {args.command}: {nats_unreachable(url, CONNECT_TIMEOUT_S)}"
+        ) from None
+
+
+@contextlib.asynccontextmanager
+async def _jetstream(args: argparse.Namespace, name: str):
+    nc = await _connect(args, name)
     try:
         yield nc.jetstream()
     finally:

@@ -90,7 +90,9 @@ async def _run(args: argparse.Namespace) -> int:
             CONNECT_TIMEOUT_S,
         )
     except TimeoutError:
-        raise _CommandError(f"cannot reach NATS at {url} within {CONNECT_TIMEOUT_S:g} s") from None
+        from shoal.cli import nats_unreachable  # imported here: shoal.cli imports this module
+
+        raise _CommandError(nats_unreachable(url, CONNECT_TIMEOUT_S)) from None
     try:
         js = nc.jetstream()
         command = args.dlq_command

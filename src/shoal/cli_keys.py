@@ -75,7 +75,9 @@ async def _run(args: argparse.Namespace) -> int:
             CONNECT_TIMEOUT_S,
         )
     except TimeoutError:
-        raise ApiKeyError(f"cannot reach NATS at {url} within {CONNECT_TIMEOUT_S:g} s") from None
+        from shoal.cli import nats_unreachable  # imported here: shoal.cli imports this module
+
+        raise ApiKeyError(nats_unreachable(url, CONNECT_TIMEOUT_S)) from None
     try:
         js = nc.jetstream()
         if args.keys_command == "create":

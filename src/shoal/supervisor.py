@@ -33,6 +33,8 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from nats.aio.client import Client
+
 from shoal.broker.connection import connect
 from shoal.broker.dlq import ensure_dlq_stream
 from shoal.broker.embedded import EmbeddedNats
@@ -55,13 +57,15 @@ from shoal.process import child_preexec
 from shoal.protocol import ModelSpec, encode_json
 from shoal.state.attempts import ensure_attempts_kv
 from shoal.state.deployments import DeploymentError, deploy
+from shoal.state.fleet import LoadProgress
 from shoal.state.keys import ensure_keys_kv
 from shoal.state.profiles import ensure_profiles_kv
-from shoal.state.workers import ensure_workers_kv
+from shoal.state.workers import WorkerStatus, ensure_workers_kv, read_worker_statuses
 
 STOP_TIMEOUT_S = 30.0
 READY_TIMEOUT_S = 300.0
 TICK_S = 0.1
+PROGRESS_INTERVAL_S = 0.5  # how often `shoal up` looks at the workers' reports while starting
 # A gateway that dies this many times in a row while another process holds its port ends
 # `shoal up`: waiting longer would not free the port.
 GATEWAY_BIND_ATTEMPTS = 5
@@ -396,19 +400,38 @@ class Supervisor:
         before the workers first report, no model is pinned yet and /readyz alone says 200.
         """
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline and not self._stop:
-            self._tick()
-            if self._fatal:
-                print(f"shoal up: {self._fatal}", file=sys.stderr)
-                return False
-            if self._all_running():
-                ready = _ready_workers(f"{self.gateway_url}/readyz", self.options.model.name)
-                if ready >= len(self._workers):
-                    return True
-            time.sleep(TICK_S)
+        progress = LoadProgress(self.options.model.name)
+        reader = _StatusReader(self.nats_url, self._nats_auth(ADMIN))
+        next_look = 0.0
+        try:
+            while time.monotonic() < deadline and not self._stop:
+                self._tick()
+                if self._fatal:
+                    print(f"shoal up: {self._fatal}", file=sys.stderr)
+                    return False
+                if time.monotonic() >= next_look:
+                    self._show_progress(progress, reader.read())
+                    next_look = time.monotonic() + PROGRESS_INTERVAL_S
+                if self._all_running():
+                    ready = _ready_workers(f"{self.gateway_url}/readyz", self.options.model.name)
+                    if ready >= len(self._workers):
+                        # The last worker may have become ready since the last look.
+                        self._show_progress(progress, reader.read())
+                        return True
+                time.sleep(TICK_S)
+        finally:
+            reader.close()
         if not self._stop:
             print(f"the cluster was not ready within {READY_TIMEOUT_S:g} s", file=sys.stderr)
         return False
+
+    def _show_progress(self, progress: LoadProgress, statuses: list[WorkerStatus]) -> None:
+        """Print each worker's load state as it changes ("worker 1: loading ...")."""
+        names = {w.pid: w.name for w in self._workers if w.pid is not None}
+        for _, line in progress.changes(
+            statuses, lambda s: names.get(s.pid, f"worker {s.worker_id}")
+        ):
+            print(line, flush=True)
 
     def _all_running(self) -> bool:
         return all(c.restart_at is None and c.poll() is None for c in self._children())
@@ -456,6 +479,35 @@ def _port_in_use(host: str, port: int) -> bool:
         except OSError:
             return True
     return False
+
+
+class _StatusReader:
+    """Reads the workers' reports from the supervisor's synchronous loop: its own event loop
+    and one connection, made at the first read. A failed read is an empty list (progress is
+    only shown, never waited on)."""
+
+    def __init__(self, nats_url: str, auth: NatsAuth) -> None:
+        self._url = nats_url
+        self._auth = auth
+        self._loop = asyncio.new_event_loop()
+        self._nc: Client | None = None
+
+    def read(self) -> list[WorkerStatus]:
+        try:
+            return self._loop.run_until_complete(asyncio.wait_for(self._read(), 2))
+        except Exception:  # NATS restarting, or the bucket not there yet: show nothing now
+            return []
+
+    async def _read(self) -> list[WorkerStatus]:
+        if self._nc is None:
+            self._nc = await connect(self._url, name="shoal-up-progress", auth=self._auth)
+        return await read_worker_statuses(self._nc.jetstream())
+
+    def close(self) -> None:
+        if self._nc is not None:
+            with contextlib.suppress(Exception):
+                self._loop.run_until_complete(asyncio.wait_for(self._nc.close(), 2))
+        self._loop.close()
 
 
 def _ready_workers(readyz_url: str, model: str) -> int:

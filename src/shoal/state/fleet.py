@@ -1,4 +1,5 @@
-"""The fleet as `shoal models` and `GET /admin/models` show it: a read model over the buckets.
+"""The fleet as `shoal models` and `GET /admin/models` show it: a read model over the buckets,
+and the load progress `shoal up` and `shoal deploy --wait` print.
 
 It joins the deployments, the workers' statuses, the stored profiles and each model's
 backlog; it writes nothing.
@@ -6,6 +7,8 @@ backlog; it writes nothing.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -15,7 +18,7 @@ from shoal.broker.jetstream import read_backlog
 from shoal.runtimes.registry import is_simulated
 from shoal.state.deployments import list_deployments
 from shoal.state.profiles import read_profiles
-from shoal.state.workers import WorkerState, read_worker_statuses
+from shoal.state.workers import WorkerState, WorkerStatus, read_worker_statuses
 
 
 class ModelView(msgspec.Struct, kw_only=True):
@@ -60,3 +63,44 @@ async def model_views(js: JetStreamContext) -> list[ModelView]:
             )
         )
     return views
+
+
+class LoadProgress:
+    """One line per change in how workers hold one model, for `shoal up` and `deploy --wait`.
+
+    Fed successive reads of the workers' statuses; remembers each worker's last state, so a
+    status that is reported again every second prints nothing.
+    """
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self._states: dict[str, WorkerState] = {}
+        self._loading_since: dict[str, float] = {}
+        self._started = time.monotonic()
+
+    def changes(
+        self, statuses: list[WorkerStatus], label: Callable[[WorkerStatus], str]
+    ) -> list[tuple[WorkerStatus, str]]:
+        """The statuses of this model whose state changed since the last call, each with its
+        line: `label(status)` names the worker (e.g. "worker 1" for `shoal up`'s own)."""
+        lines: list[tuple[WorkerStatus, str]] = []
+        now = time.monotonic()
+        for s in statuses:
+            if s.model != self.model or self._states.get(s.worker_id) is s.state:
+                continue
+            self._states[s.worker_id] = s.state
+            who = label(s)
+            if s.state is WorkerState.LOADING:
+                self._loading_since[s.worker_id] = now
+                line = f"{who}: loading {s.model} ({s.runtime}) ..."
+            elif s.state is WorkerState.READY:
+                # From when this worker was seen loading; from the first look if it never was.
+                took = now - self._loading_since.get(s.worker_id, self._started)
+                budget = f"budget {s.max_batch_items}" if s.max_batch_items else "no batch budget"
+                line = f"{who}: {s.model} ready ({budget}) in {took:.1f} s"
+            elif s.state is WorkerState.FAILED:
+                line = f"{who}: {s.model} failed to load: {s.error}"
+            else:
+                line = f"{who}: {s.model} {s.state.value}"
+            lines.append((s, line))
+        return lines
