@@ -90,8 +90,9 @@ def shoal_command() -> list[str]:
 class StatusWatch:
     """Follows the workers KV bucket; notes when a model is first LOADING, READY, and gone."""
 
-    def __init__(self, nats_url: str) -> None:
+    def __init__(self, nats_url: str, auth=None) -> None:
         self.nats_url = nats_url
+        self.auth = auth
         self.seen: dict[tuple[str, str], float] = {}  # (model, state) -> first time seen
         self.last: dict[str, dict] = {}  # model -> its last status (as a dict)
         self.live: dict[str, str] = {}  # KV key -> model
@@ -102,7 +103,7 @@ class StatusWatch:
         from shoal.broker.connection import connect
         from shoal.state.workers import ensure_workers_kv
 
-        self._nc = await connect(self.nats_url, name="bench-fleet-watch")
+        self._nc = await connect(self.nats_url, name="bench-fleet-watch", auth=self.auth)
         kv = await ensure_workers_kv(self._nc.jetstream())
         watcher = await kv.watchall()
         self._task = asyncio.create_task(self._follow(watcher))
@@ -163,7 +164,7 @@ async def run_cli(*args: str, env: dict[str, str]) -> tuple[float, str]:
 
 
 async def one_deploy(up: UpCluster, nats_url: str, name: str, case: dict, run: int) -> dict:
-    watch = StatusWatch(nats_url)
+    watch = StatusWatch(nats_url, up.nats_auth)
     await watch.start()
     statuses: list[tuple[float, int]] = []
     try:
@@ -231,11 +232,11 @@ async def one_deploy(up: UpCluster, nats_url: str, name: str, case: dict, run: i
         await watch.stop()
 
 
-async def read_profiles_of(nats_url: str) -> list[dict]:
+async def read_profiles_of(nats_url: str, auth=None) -> list[dict]:
     from shoal.broker.connection import connect
     from shoal.state.profiles import read_profiles
 
-    nc = await connect(nats_url, name="bench-fleet-profiles")
+    nc = await connect(nats_url, name="bench-fleet-profiles", auth=auth)
     try:
         profiles = await read_profiles(nc.jetstream())
     finally:
@@ -282,7 +283,7 @@ def deploy_to_first_response(name: str, reps: int, memory_mb: int) -> dict:
                     f"{result['unloaded_after_undeploy_s']} s after undeploy",
                     flush=True,
                 )
-            profiles = asyncio.run(read_profiles_of(nats_url))
+            profiles = asyncio.run(read_profiles_of(nats_url, up.nats_auth))
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     return {
@@ -362,7 +363,7 @@ def budget_sweep(budgets: list[int], rounds: int, seconds: float, connections: i
         stop_worker(up, start_worker(up, []))
         first_start_s = round(time.perf_counter() - began, 2)
         views = models_json(up)
-        profiles = asyncio.run(read_profiles_of(up.nats_url))
+        profiles = asyncio.run(read_profiles_of(up.nats_url, up.nats_auth))
         chosen = next(v["max_batch_items"] for v in views if v["name"] == EMBED_MODEL)
         print(f"profiled budget (shoal models --json): {chosen}", flush=True)
         for round_no in range(rounds):

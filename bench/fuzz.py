@@ -262,8 +262,10 @@ def cases(draw: st.DrawFn) -> Case:
 
 def send(client: httpx.Client, case: Case) -> httpx.Response:
     # Unknown paths go out as they are: httpx would otherwise read "?" and "#" as URL parts.
+    # A "#" no client sends in a request line (it starts the fragment, kept by the client,
+    # and httpx refuses some such paths): it goes out encoded.
     request = client.build_request(case.method, "/", headers=case.headers, content=case.body)
-    request.url = request.url.copy_with(raw_path=case.path.encode())
+    request.url = request.url.copy_with(raw_path=case.path.replace("#", "%23").encode())
     return client.send(request)
 
 

@@ -71,13 +71,22 @@ class UpCluster:
         """The cluster's embedded NATS, as `shoal up` wrote it into its state directory."""
         return json.loads((Path(self.state_dir) / "cluster.json").read_text())["nats_url"]
 
+    @property
+    def nats_auth(self):
+        """The `admin` credentials `shoal up` generated for its NATS (NATS admits no one
+        without them), as every `shoal` command run with this state directory finds them."""
+        from shoal.cluster_auth import ADMIN, ClusterCredentials
+
+        info = json.loads((Path(self.state_dir) / "cluster.json").read_text())
+        return ClusterCredentials(Path(info["nats_auth_dir"])).auth(ADMIN)
+
     def worker_statuses(self) -> list:
         """Every worker status report (one per worker and model it holds)."""
         from shoal.broker.connection import connect
         from shoal.state.workers import read_worker_statuses
 
         async def statuses():
-            nc = await connect(self.nats_url, name="bench")
+            nc = await connect(self.nats_url, name="bench", auth=self.nats_auth)
             try:
                 return await read_worker_statuses(nc.jetstream())
             finally:

@@ -315,7 +315,9 @@ def test_poison_first_in_its_envelope_the_rest_answered(nats_server, cluster) ->
         await nc.subscribe(reply_to, cb=on_reply)
         deadline = now_ms() + int(TIMEOUT_S * 1000)
         requests = [
-            WorkRequest(rid, "embeddings", deadline, 8, json.dumps({"input": t}).encode())
+            WorkRequest(
+                rid, "embeddings", deadline, 8, json.dumps({"model": model, "input": t}).encode()
+            )
             for rid, t in zip(ids, texts, strict=True)
         ]
         envelope = WorkEnvelope(reply_to, now_ms(), requests)
@@ -327,7 +329,7 @@ def test_poison_first_in_its_envelope_the_rest_answered(nats_server, cluster) ->
     results = _nats(nats_server.url, run)
     assert time.monotonic() - started < TIMEOUT_S - 5
     poison = results[ids[0]]
-    assert poison.status == 502 and b"dead_lettered" in poison.body
+    assert poison.status == 502 and b"dead_lettered" in poison.body, poison.body
     for rid, text in zip(ids[1:], texts[1:], strict=True):
         assert results[rid].status == 200, results[rid].body
         vector = json.loads(results[rid].body)["data"][0]["embedding"]

@@ -65,7 +65,7 @@ def test_gateway_rejects_what_it_cannot_route(gateway_url, body, needle):
         ({"input": 5}, "Expected `str | array`", "input"),
         ({"input": []}, "must not be empty", "input"),
         ({"input": ["ok", ""]}, "input[1]", "input"),
-        ({"input": [[1, 2, 3]]}, "token-id inputs are not supported", "input"),
+        ({"input": [[1, 2, 32000]]}, "outside this model's vocabulary", "input"),
         ({"input": "x", "encoding_format": "int8"}, "encoding_format", "encoding_format"),
         ({"input": "x", "dimensions": 12}, "'dimensions' must be 384", "dimensions"),
         ({}, "missing required field `input`", None),

@@ -74,6 +74,7 @@ MODEL = ModelSpec(name="secure-sim", runtime="sim", task=Task.EMBEDDINGS, source
 REFUSED_TIMEOUT_S = 2.0
 # A delivered message's callback runs within this, once its connection has read it.
 DELIVERY_WAIT_S = 0.2
+DELIVERY_PATIENCE_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +147,12 @@ async def _received(
     await sender.publish(publish_to or subject, data)
     await sender.flush()
     await receiver.flush()
-    await asyncio.sleep(DELIVERY_WAIT_S)  # for the subscription's callback to run
+    # For the subscription's callback to run: at least DELIVERY_WAIT_S (a refused message
+    # must have had its chance), longer while nothing came (a loaded machine).
+    waited = 0.0
+    while waited < DELIVERY_WAIT_S or (not got and waited < DELIVERY_PATIENCE_S):
+        await asyncio.sleep(0.05)
+        waited += 0.05
     await sub.unsubscribe()
     return got
 
@@ -298,7 +304,14 @@ def test_worker_pulls_answers_and_reports_but_cannot_deploy_or_inject(secured):
         assert b"job" in [m.data for m in pulled]
         for msg in pulled:
             await msg.ack()
-        answered = await _received(gateway, reply_subject("gw"), worker, b"answer")
+        # May the worker answer? Sent up to three times: about one run in eight, right after
+        # its pulls and acks, the first answer was not delivered (no violation, both
+        # connections up; not understood yet, see the issue 14 note). The permission is what
+        # this checks; delivery is checked end to end by the `shoal up` test below.
+        for _ in range(3):
+            answered = await _received(gateway, reply_subject("gw"), worker, b"answer")
+            if answered:
+                break
         assert answered == [b"answer"]
         for bucket in (
             await ensure_workers_kv(wjs),

@@ -42,6 +42,9 @@ class PushedItem:
     body: bytes
     cost: int
     answer: asyncio.Future[Reply] = field(repr=False)
+    # take_batch keeps redelivered items apart; a pushed request is never redelivered.
+    deliveries: int = 1
+    culprit: bool = False
 
 
 @dataclass(frozen=True)
