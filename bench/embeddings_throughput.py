@@ -6,6 +6,7 @@ single-sentence requests from wrk (256 connections, closed loop). The two altern
 rounds, because this machine is shared and noisy, and the medians are compared.
 
     python -m bench.embeddings_throughput [--seconds 15] [--rounds 3] [--threads 2]
+        [--connections 256] [--encodings base64,float]
 """
 
 from __future__ import annotations
@@ -51,6 +52,18 @@ class InProcessModel:
         return done / (time.perf_counter() - started)
 
 
+def _measure_cluster(up: UpCluster, args: argparse.Namespace, encoding: str) -> dict:
+    """One closed-loop window against the cluster: the load, the cores each part used, and
+    the mean batch the worker ran."""
+    before, started = up.component_cpu_seconds(), time.monotonic()
+    items_before, batches_before = up.batch_totals()
+    load = run_load(up.url, MODEL, args.connections, args.seconds, args.client, encoding)
+    cores = cpu_share(before, up.component_cpu_seconds(), time.monotonic() - started)
+    items, batches = up.batch_totals()
+    mean_batch = (items - items_before) / max(1.0, batches - batches_before)
+    return {"load": load, "cores_used": cores, "mean_batch": mean_batch}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seconds", type=float, default=15, help="per measurement")
@@ -60,43 +73,45 @@ def main() -> None:
     parser.add_argument(
         "--client", choices=("wrk", "python"), default="wrk" if wrk_available() else "python"
     )
+    parser.add_argument(
+        "--encodings", default="base64,float", help="the requests' encoding_format, each measured"
+    )
     parser.add_argument("--out", default="embeddings_throughput")
     args = parser.parse_args()
+    args.encodings = [e for e in args.encodings.split(",") if e]
 
     # The machine is shared and noisy: the two sides alternate, and medians are compared.
     model = InProcessModel(args.threads)
     sweep = {b: model.rate(b, args.seconds / 3) for b in BATCH_SIZES}
     best_batch = max(sweep, key=sweep.__getitem__)
     in_process: list[float] = []
-    cluster: list[dict] = []
+    cluster: dict[str, list[dict]] = {encoding: [] for encoding in args.encodings}
     with UpCluster(env={"SHOAL_THREADS": str(args.threads)}) as up:
         run_load(up.url, MODEL, args.connections, 5, args.client)  # warm up
         for _ in range(args.rounds):
             in_process.append(model.rate(best_batch, args.seconds))
-            before, started = up.component_cpu_seconds(), time.monotonic()
-            items_before, batches_before = up.batch_totals()
-            load = run_load(up.url, MODEL, args.connections, args.seconds, args.client)
-            cores = cpu_share(before, up.component_cpu_seconds(), time.monotonic() - started)
-            items, batches = up.batch_totals()
-            mean_batch = (items - items_before) / max(1.0, batches - batches_before)
-            cluster.append({"load": load, "cores_used": cores, "mean_batch": mean_batch})
+            for encoding in args.encodings:
+                cluster[encoding].append(_measure_cluster(up, args, encoding))
     limit = statistics.median(in_process)
-    through = statistics.median(run["load"].rps for run in cluster)
-    ratio = through / limit
+    through = {e: statistics.median(run["load"].rps for run in runs) for e, runs in cluster.items()}
+    ratios = {encoding: rate / limit for encoding, rate in through.items()}
 
     print(
         "in-process sweep, sentences/s: "
         + ", ".join(f"batch {b}: {r:.0f}" for b, r in sweep.items())
     )
-    for rate, run in zip(in_process, cluster, strict=True):
-        load = run["load"]
-        print(
-            f"in-process batch {best_batch}: {rate:6.1f}/s | cluster: {load.rps:6.1f} req/s "
-            f"(mean batch {run['mean_batch']:.0f}, errors {load.errors}, "
-            f"p50 {load.p50_ms:.0f} ms, p99 {load.p99_ms:.0f} ms, "
-            f"cores {run['cores_used']}, client cpu {load.client_cpu_s:.1f} s)"
-        )
-    print(f"median ratio cluster / in-process best: {ratio:.3f}")
+    for i, rate in enumerate(in_process):
+        print(f"round {i + 1}: in-process batch {best_batch}: {rate:6.1f}/s")
+        for encoding, runs in cluster.items():
+            run, load = runs[i], runs[i]["load"]
+            print(
+                f"  cluster {encoding:6}: {load.rps:6.1f} req/s "
+                f"(mean batch {run['mean_batch']:.0f}, errors {load.errors}, "
+                f"p50 {load.p50_ms:.0f} ms, p99 {load.p99_ms:.0f} ms, "
+                f"cores {run['cores_used']}, client cpu {load.client_cpu_s:.1f} s)"
+            )
+    for encoding, ratio in ratios.items():
+        print(f"median ratio cluster ({encoding}) / in-process best: {ratio:.3f}")
     path = write_result(
         args.out,
         {
@@ -111,7 +126,7 @@ def main() -> None:
             "cluster": cluster,
             "median_in_process": limit,
             "median_cluster": through,
-            "ratio": ratio,
+            "ratio": ratios,
         },
     )
     print(f"wrote {path}")

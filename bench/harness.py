@@ -125,7 +125,7 @@ local models = {MODELS}
 local n = 0
 request = function()
   n = n + 1
-  local body = '{"model":"' .. models[(n % #models) + 1] .. '","encoding_format":"base64",' ..
+  local body = '{"model":"' .. models[(n % #models) + 1] .. '","encoding_format":"ENCODING",' ..
     '"input":"' .. string.format("SENTENCE", n) .. '"}'
   return wrk.format(nil, "/v1/embeddings", nil, body)
 end
@@ -137,14 +137,25 @@ def wrk_available() -> bool:
 
 
 def run_wrk(
-    url: str, model: str, connections: int, seconds: float, also: tuple[str, ...] = ()
+    url: str,
+    model: str,
+    connections: int,
+    seconds: float,
+    also: tuple[str, ...] = (),
+    encoding: str = "base64",
 ) -> LoadResult:
     """Closed loop: `connections` clients, each sending the next request on its reply.
 
     With `also`, requests go round-robin to `model` and those models (a mixed load).
+    `encoding` is the request's `encoding_format`: "base64" or "float" (JSON numbers, what
+    curl and most non-Python clients get).
     """
     names = ", ".join(f'"{name}"' for name in (model, *also))
-    script = _WRK_SCRIPT.replace("MODELS", names).replace("SENTENCE", SENTENCE.format(i="%d"))
+    script = (
+        _WRK_SCRIPT.replace("MODELS", names)
+        .replace("SENTENCE", SENTENCE.format(i="%d"))
+        .replace("ENCODING", encoding)
+    )
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as handle:
         handle.write(script)
     command = [
@@ -208,7 +219,9 @@ def _wrk_ms(text: str) -> float:
     return float(value) * {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 6e4}[unit]
 
 
-def run_python_load(url: str, model: str, connections: int, seconds: float) -> LoadResult:
+def run_python_load(
+    url: str, model: str, connections: int, seconds: float, encoding: str = "base64"
+) -> LoadResult:
     """The same closed loop in Python (httpx): for the smoke test, not for throughput figures."""
     import httpx
 
@@ -219,7 +232,7 @@ def run_python_load(url: str, model: str, connections: int, seconds: float) -> L
         nonlocal errors
         i = start
         while time.monotonic() < end_at:
-            body = {"model": model, "encoding_format": "base64", "input": SENTENCE.format(i=i)}
+            body = {"model": model, "encoding_format": encoding, "input": SENTENCE.format(i=i)}
             sent = time.perf_counter()
             response = await client.post("/v1/embeddings", json=body)
             latencies.append(time.perf_counter() - sent)
@@ -259,10 +272,13 @@ def run_python_load(url: str, model: str, connections: int, seconds: float) -> L
     )
 
 
-def run_load(url: str, model: str, connections: int, seconds: float, client: str) -> LoadResult:
+def run_load(
+    url: str, model: str, connections: int, seconds: float, client: str, encoding: str = "base64"
+) -> LoadResult:
+    """A closed loop of single-sentence /v1/embeddings requests, by wrk or (smoke) httpx."""
     if client == "wrk":
-        return run_wrk(url, model, connections, seconds)
-    return run_python_load(url, model, connections, seconds)
+        return run_wrk(url, model, connections, seconds, encoding=encoding)
+    return run_python_load(url, model, connections, seconds, encoding)
 
 
 def hot_load_adapter(
