@@ -13,7 +13,7 @@ import httpx
 import pytest
 from conftest import wait_until, worker_status
 
-from shoal.worker.batch_wait import CostCurve, CostFit, knee_items, plan_wait
+from shoal.worker.batch_wait import CostCurve, CostFit, LoadMeter, knee_items, plan_wait
 
 
 def test_knee_of_a_fixed_cost_curve():
@@ -141,3 +141,33 @@ def test_a_worker_waits_for_a_fuller_batch_within_its_bound(
         v for k, v in waited.items() if k.startswith("shoal_worker_batch_wait_seconds_sum")
     )
     assert count >= 1 and total / count <= 0.2 + 0.02
+
+
+def test_the_wait_shrinks_as_the_load_nears_capacity():
+    fit = CostFit(fixed_s=0.100, per_item_s=0.0017)
+    idle = plan_wait(fit, held=3, budget=32, latency_target_s=1.0, load=0.0)
+    half = plan_wait(fit, held=3, budget=32, latency_target_s=1.0, load=0.5)
+    busy = plan_wait(fit, held=3, budget=32, latency_target_s=1.0, load=0.9)
+    full = plan_wait(fit, held=3, budget=32, latency_target_s=1.0, load=1.0)
+    assert idle.max_wait_s == pytest.approx(0.100)
+    assert half.max_wait_s == pytest.approx(0.100 * 0.5**0.5)
+    assert busy.max_wait_s == pytest.approx(0.100 * 0.1**0.5)
+    assert full.max_wait_s == 0
+    assert idle.target_items == half.target_items == busy.target_items == 28
+
+
+def test_load_is_the_items_run_lately_against_full_batches_back_to_back():
+    fit = CostFit(fixed_s=0.100, per_item_s=0.0017)  # a full batch of 32: 0.1544 s
+    capacity = 32 / fit.seconds(32)  # ~207 items/s
+    meter = LoadMeter()
+    assert meter.load(fit, 32, now=0.0) == 0.0  # nothing run yet: unknown, so no effect
+    for i in range(11):  # a batch of 10 items ending every 0.1 s: 100 items/s
+        meter.observe(10, ended_at=i * 0.1)
+    assert meter.items_per_s(now=1.0) == pytest.approx(100.0)
+    assert meter.load(fit, 32, now=1.0) == pytest.approx(100.0 / capacity)
+    # A quiet spell lowers it; a rate above capacity is capacity.
+    assert meter.load(fit, 32, now=11.0) == pytest.approx(100.0 / 11.0 / capacity)
+    flooded = LoadMeter()
+    for i in range(5):
+        flooded.observe(32, ended_at=i * 0.05)
+    assert flooded.load(fit, 32, now=0.2) == 1.0

@@ -14,6 +14,16 @@ a worker holding fewer items than the batch's "knee" waits for more, within boun
 - It never waits when what it holds reaches the knee (or the token budget), and it waits at
   most one fixed cost (a longer wait cannot save more than the fixed cost it amortizes),
   never so long that the knee batch would end past the batch latency target.
+- The bound shrinks with the load: at most `fixed x sqrt(1 - load)`, where load is the share
+  of the device's capacity (a full batch's items per second, from the curve) that the items
+  this worker ran lately used. Near capacity a wait buys little headroom and adds up to its
+  bound to the tail latency of every request it holds; and when many workers of a model wait
+  at once, JetStream deals new messages to their pull requests in turn, so each fills slowly
+  and waits out its bound (measured: docs/benchmarks.md, "Adaptive batch wait"). At half load
+  it may still wait 0.71 of a fixed cost (batches stay well above the eager policy's), at 90%
+  load a third, at saturation not at all. The square root is that balance, not a law: with
+  `1 - load`, a worker at half load of the simulated 100 ms device would form batches of
+  about n = rate x (fixed + wait) / (1 - rate x per_item) = 18, barely 1.5x the eager 12.
 """
 
 from __future__ import annotations
@@ -77,14 +87,48 @@ class CostCurve:
         return len({n for n, _ in self._samples}) >= 3
 
 
-def plan_wait(fit: CostFit | None, held: int, budget: int, latency_target_s: float) -> WaitPlan:
-    """How long to wait for a fuller batch, holding `held` items, with a budget of `budget`."""
+class LoadMeter:
+    """The rate at which this worker's items arrive, measured as the items its recent batches
+    ran per second (in a steady state the two are the same; at saturation it is capacity)."""
+
+    def __init__(self, window: int = WINDOW) -> None:
+        self._batches: deque[tuple[float, int]] = deque(maxlen=window)  # (ended at, items)
+
+    def observe(self, items: int, ended_at: float) -> None:
+        self._batches.append((ended_at, items))
+
+    def items_per_s(self, now: float) -> float | None:
+        """Items per second since the oldest remembered batch ended (up to `now`, so a quiet
+        spell lowers it); None until two batches have run."""
+        if len(self._batches) < 2:
+            return None
+        span = now - self._batches[0][0]
+        if span <= 0:
+            return None
+        return sum(items for _, items in list(self._batches)[1:]) / span
+
+    def load(self, fit: CostFit | None, budget: int, now: float) -> float:
+        """The share of the device's capacity (full batches back to back) in use, 0..1; 0
+        while unknown."""
+        rate = self.items_per_s(now)
+        if rate is None or fit is None or budget <= 0:
+            return 0.0
+        capacity = budget / fit.seconds(budget)
+        return min(1.0, max(0.0, rate / capacity))
+
+
+def plan_wait(
+    fit: CostFit | None, held: int, budget: int, latency_target_s: float, load: float = 0.0
+) -> WaitPlan:
+    """How long to wait for a fuller batch, holding `held` items, with a budget of `budget`,
+    the device's recent `load` (0..1, `LoadMeter.load`) given."""
     if fit is None or budget <= 1 or held >= budget or fit.fixed_s <= 0:
         return WaitPlan(held, 0.0)
     knee = knee_items(fit, budget)
     if held >= knee:
         return WaitPlan(held, 0.0)
-    longest = min(fit.fixed_s, latency_target_s - fit.seconds(knee))
+    spare = math.sqrt(1.0 - min(1.0, max(0.0, load)))
+    longest = min(fit.fixed_s * spare, latency_target_s - fit.seconds(knee))
     return WaitPlan(knee, max(0.0, longest))
 
 

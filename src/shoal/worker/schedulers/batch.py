@@ -14,7 +14,7 @@ import logging
 import time
 
 from shoal.protocol import ModelSpec, Task
-from shoal.worker.batch_wait import CostCurve, plan_wait
+from shoal.worker.batch_wait import CostCurve, LoadMeter, plan_wait
 from shoal.worker.items import WorkItem, take_batch
 from shoal.worker.schedulers.base import SchedulerBase, SchedulerContext
 from shoal.worker.tasks.cross_encode import RerankHandler
@@ -39,6 +39,7 @@ class BatchScheduler(SchedulerBase):
         self._handler = handler
         self._running: list[WorkItem] = []
         self._curve = CostCurve(ctx.profiled_latency_s)
+        self._load = LoadMeter()
 
     def room(self) -> int:
         return self._ctx.settings.max_batch_items - len(self._pending)
@@ -68,12 +69,17 @@ class BatchScheduler(SchedulerBase):
         """Wait while waiting pays (worker/batch_wait.py): never past the plan's bound."""
         settings = self._ctx.settings
         budget = settings.max_batch_items
+        fit = self._curve.fit()
+        began = time.monotonic()
         plan = plan_wait(
-            self._curve.fit(), len(self._pending), budget, settings.latency_targets.batch_s
+            fit,
+            len(self._pending),
+            budget,
+            settings.latency_targets.batch_s,
+            self._load.load(fit, budget, began),
         )
         if plan.max_wait_s <= 0:
             return
-        began = time.monotonic()
         deadline = began + plan.max_wait_s
         while self._accepting and len(self._pending) < plan.target_items:
             if sum(item.cost for item in self._pending) >= settings.max_batch_tokens:
@@ -112,6 +118,7 @@ class BatchScheduler(SchedulerBase):
             busy_s = ctx.busy.stop()
         self._account_batch(busy_s, len(live))
         self._curve.observe(len(live), busy_s)
+        self._load.observe(len(live), time.monotonic())
         contradicted = ctx.audit is not None and ctx.audit.observe(len(live), busy_s)
         if contradicted and ctx.on_profile_contradicted is not None:
             ctx.on_profile_contradicted()
