@@ -23,6 +23,7 @@ from shoal.api.errors import ApiError
 from shoal.catalog import resolve_model
 from shoal.config import QueueSettings
 from shoal.gateway.admin_dlq import handle_dlq_admin, is_dlq_path
+from shoal.gateway.auth import bearer_token
 from shoal.protocol import ModelSpec, encode_json
 from shoal.state.deployments import DeploymentError, deploy, lora_spec, undeploy
 from shoal.state.fleet import model_views
@@ -39,11 +40,7 @@ def check_token(headers: list[tuple[bytes, bytes]], token: str) -> None:
             "The admin API is off: start the gateway with --admin-token (or SHOAL_ADMIN_TOKEN)",
             code="admin_disabled",
         )
-    given = b""
-    for name, value in headers:
-        if name == b"authorization" and value.startswith(b"Bearer "):
-            given = value.removeprefix(b"Bearer ").strip()
-    if not hmac.compare_digest(given, token.encode()):
+    if not hmac.compare_digest(bearer_token(headers), token.encode()):
         raise ApiError(401, "A valid admin token is required", code="invalid_admin_token")
 
 

@@ -43,7 +43,7 @@ from shoal.gateway.dashboard import DATA_PATH, PAGE_PATH, Dashboard
 from shoal.gateway.openapi import load_document
 from shoal.gateway.readiness import Readiness
 from shoal.gateway.replies import ReplyRouter
-from shoal.gateway.routing import estimate_tokens, read_routing_fields
+from shoal.gateway.routing import estimate_tokens, read_routing_fields, request_header
 from shoal.gateway.streaming import (
     ClientGone,
     StreamRelay,
@@ -288,7 +288,7 @@ class Gateway:
                 auth.authorize(key_id, fields.model)
             self._check_model(fields.model, endpoint)
             model_label = fields.model
-            client_key = _header(scope["headers"], b"idempotency-key")
+            client_key = _idempotency_key(scope["headers"])
             # Embeddings and rerank are never streamed.
             if fields.stream and endpoint not in (Endpoint.EMBEDDINGS, Endpoint.RERANK):
                 if client_key is not None:
@@ -726,12 +726,9 @@ def _unavailable_as_503() -> Iterator[None]:
         raise ApiError(503, f"The queue (NATS) did not answer: {err}", retry_after=1) from None
 
 
-def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
-    """A request header's value (names arrive lower-cased from the server); None if absent."""
-    for key, value in headers:
-        if key == name:
-            return value.decode("latin-1").strip()
-    return None
+def _idempotency_key(headers: list[tuple[bytes, bytes]]) -> str | None:
+    value = request_header(headers, b"idempotency-key")
+    return None if value is None else value.decode("latin-1").strip()
 
 
 def _replayed(replayed: bool) -> list[tuple[bytes, bytes]]:

@@ -28,6 +28,7 @@ from nats.js import JetStreamContext
 
 from shoal.api.errors import ApiError
 from shoal.config import API_KEY_MODES
+from shoal.gateway.routing import request_header
 from shoal.protocol import ModelSpec
 from shoal.state.keys import KeyDirectory, hash_secret, key_id_of
 
@@ -104,7 +105,7 @@ class ApiKeyAuth:
         if not self.directory.loaded.is_set():
             # Keys not read yet: a 401 would tell a valid key it is wrong.
             raise ApiError(503, "The API keys are not loaded yet", retry_after=1)
-        secret = _bearer(headers)
+        secret = bearer_token(headers)
         if not secret:
             raise ApiError(
                 401,
@@ -149,11 +150,10 @@ class ApiKeyAuth:
         return [spec for spec in specs if not allowed or spec.name in allowed]
 
 
-def _bearer(headers: list[tuple[bytes, bytes]]) -> bytes:
-    """The token of the first `Authorization: Bearer` header (the scheme in any case)."""
-    for name, value in headers:
-        if name == b"authorization":  # ASGI servers lower-case header names
-            if value[:7].lower() == _BEARER:
-                return value[7:].strip()
-            return b""
-    return b""
+def bearer_token(headers: list[tuple[bytes, bytes]]) -> bytes:
+    """The token of the first `Authorization: Bearer` header (the scheme in any case); b""
+    when there is none."""
+    value = request_header(headers, b"authorization")
+    if value is None or value[:7].lower() != _BEARER:
+        return b""
+    return value[7:].strip()

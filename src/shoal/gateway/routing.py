@@ -1,4 +1,4 @@
-"""The partial decode: the only fields of a request body the gateway reads.
+"""The partial decode: the only fields of a request (body and headers) the gateway reads.
 
 It is also the gateway's guard against bodies that no decoder should see: JSON nested
 deeper than `MAX_NESTING` levels is refused with a 400 here, before it is queued. msgspec
@@ -22,6 +22,17 @@ from shoal.api.errors import ApiError
 # bodies nest 3-5 levels (chat content parts), JSON schemas in `tools` a few tens at most,
 # and it stays far below what msgspec can decode anywhere (~900 levels).
 MAX_NESTING = 128
+
+
+def request_header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    """The first value of a request header, None if absent.
+
+    `name` lower-case: ASGI servers lower-case header names.
+    """
+    for key, value in headers:
+        if key == name:
+            return value
+    return None
 
 
 class RoutingFields(msgspec.Struct):
