@@ -17,9 +17,11 @@ from pathlib import Path
 
 from bench.harness import RESULTS_DIR
 
-ORDER = ("shoal", "rr", "lor", "p2c", "ray", "infinity")
+ORDER = ("shoal", "shoal-eager", "rr", "lor", "p2c", "ray", "infinity")
+PUSH = ("rr", "lor", "p2c")
 LABELS = {
     "shoal": "Shoal (pull)",
+    "shoal-eager": "Shoal, batch wait off",
     "rr": "push: round robin",
     "lor": "push: least outstanding",
     "p2c": "push: power of two",
@@ -99,6 +101,62 @@ def scaling_table(data: dict, system: str = "shoal") -> str:
             + f" / {sat['load']['client_cores']:.2f}"
         )
         lines.append(f"| {workers} | {rps:,.0f} | {ideal:,.0f} | {rps / ideal:.2f} | {used} |")
+    return "\n".join(lines)
+
+
+def path_cpu_table(data: dict) -> str:
+    """CPU microseconds a request, by component, at saturation: each system's own path (the
+    load client excluded), from the processes' CPU time over the measured window."""
+    lines = [
+        "| workers | system | req/s | gateway or router us | nats-server us | workers us "
+        "| path us |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for workers, entry in sorted(data["by_workers"].items(), key=lambda kv: int(kv[0])):
+        for name in systems_of(entry):
+            sat = entry[name]["saturation"]
+            cores, rps = sat.get("cores") or {}, sat["load"]["rps"]
+            if not cores or not rps:
+                continue
+            front = cores.get("gateway", cores.get("router", 0.0))
+            nats, worker = cores.get("nats"), cores.get("worker", 0.0)
+            total = sum(v for k, v in cores.items() if k != "supervisor")
+            per = 1e6 / rps
+            nats_us = f"{nats * per:.0f}" if nats is not None else "-"
+            lines.append(
+                f"| {workers} | {LABELS[name]} | {rps:,.0f} | {front * per:.0f} | {nats_us} "
+                f"| {worker * per:.0f} | {total * per:.0f} |"
+            )
+    return "\n".join(lines)
+
+
+def against_push_table(data: dict, fraction: str = "0.90") -> str:
+    """Shoal against the best push policy at each N: saturated throughput (the best push is
+    the fastest) and p99 at `fraction` of Shoal's saturation (the best push is the lowest)."""
+    lines = [
+        "| workers | Shoal / best push, saturation "
+        f"| Shoal / best push, p99 at {float(fraction):.0%} load |",
+        "|---|---|---|",
+    ]
+    for workers, entry in sorted(data["by_workers"].items(), key=lambda kv: int(kv[0])):
+        names = systems_of(entry)
+        push = [n for n in names if n in PUSH]
+        if "shoal" not in names or not push:
+            continue
+        shoal = entry["shoal"]
+        best_rps = max(entry[n]["saturation"]["load"]["rps"] for n in push)
+        rps_ratio = shoal["saturation"]["load"]["rps"] / best_rps
+        p99s = [
+            entry[n]["loads"][fraction]["load"]["p99_ms"]
+            for n in push
+            if fraction in entry[n]["loads"]
+        ]
+        if fraction in shoal["loads"] and p99s:
+            p99 = shoal["loads"][fraction]["load"]["p99_ms"]
+            p99_cell = f"{p99 / min(p99s):.2f} ({p99:.0f} / {min(p99s):.0f} ms)"
+        else:
+            p99_cell = "-"
+        lines.append(f"| {workers} | {rps_ratio:.2f} | {p99_cell} |")
     return "\n".join(lines)
 
 
@@ -210,6 +268,8 @@ def main() -> None:
         scaling = scaling_table(data)
         if scaling:
             print(scaling, "\n")
+        print(against_push_table(data), "\n")
+        print(path_cpu_table(data), "\n")
         for workers in sorted(data["by_workers"], key=int):
             print(f"### {workers} workers, constant load\n")
             print(load_table(data, workers), "\n")
