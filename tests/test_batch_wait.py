@@ -6,6 +6,7 @@ nothing per token, so a batch's fixed cost dominates as on a GPU.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -159,15 +160,16 @@ def test_the_wait_shrinks_as_the_load_nears_capacity():
 def test_load_is_the_items_run_lately_against_full_batches_back_to_back():
     fit = CostFit(fixed_s=0.100, per_item_s=0.0017)  # a full batch of 32: 0.1544 s
     capacity = 32 / fit.seconds(32)  # ~207 items/s
-    meter = LoadMeter()
-    assert meter.load(fit, 32, now=0.0) == 0.0  # nothing run yet: unknown, so no effect
-    for i in range(11):  # a batch of 10 items ending every 0.1 s: 100 items/s
+    meter = LoadMeter(time_constant_s=2.0)
+    assert meter.load(fit, 32, now=0.0) == 0.0  # nothing run yet
+    for i in range(1, 301):  # a batch of 10 items ending every 0.1 s for 30 s: 100 items/s
         meter.observe(10, ended_at=i * 0.1)
-    assert meter.items_per_s(now=1.0) == pytest.approx(100.0)
-    assert meter.load(fit, 32, now=1.0) == pytest.approx(100.0 / capacity)
-    # A quiet spell lowers it; a rate above capacity is capacity.
-    assert meter.load(fit, 32, now=11.0) == pytest.approx(100.0 / 11.0 / capacity)
-    flooded = LoadMeter()
-    for i in range(5):
-        flooded.observe(32, ended_at=i * 0.05)
-    assert flooded.load(fit, 32, now=0.2) == 1.0
+    assert meter.items_per_s(now=30.0) == pytest.approx(100.0, rel=0.03)
+    assert meter.load(fit, 32, now=30.0) == pytest.approx(100.0 / capacity, rel=0.03)
+    # It follows a change within a few time constants: a quiet spell lowers it...
+    assert meter.load(fit, 32, now=34.0) == pytest.approx(100.0 / capacity * math.exp(-2), rel=0.03)
+    # ...and a flood (full batches back to back) raises it to capacity.
+    for i in range(1, 61):
+        meter.observe(32, ended_at=34.0 + i * fit.seconds(32))
+    assert meter.load(fit, 32, now=34.0 + 60 * fit.seconds(32)) > 0.95
+    assert meter.load(None, 32, now=50.0) == 0.0  # no curve yet: no effect on the wait

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 KNEE_TOLERANCE = 0.10
 WINDOW = 64  # recent batches the curve is fitted on
 MIN_SAMPLES = 8
+# The load's memory: a change of load shows within a few seconds, on any device.
+LOAD_TIME_CONSTANT_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,33 +90,37 @@ class CostCurve:
 
 
 class LoadMeter:
-    """The rate at which this worker's items arrive, measured as the items its recent batches
-    ran per second (in a steady state the two are the same; at saturation it is capacity)."""
+    """The rate at which this worker's items arrive, measured as the items its batches ran per
+    second (in a steady state the two are the same; at saturation it is capacity), with
+    exponential decay in time, so that it follows a change of load within a few time
+    constants whatever the batch length (a window of batches would lag by seconds on a slow
+    device and by milliseconds on a fast one)."""
 
-    def __init__(self, window: int = WINDOW) -> None:
-        self._batches: deque[tuple[float, int]] = deque(maxlen=window)  # (ended at, items)
+    def __init__(self, time_constant_s: float = LOAD_TIME_CONSTANT_S) -> None:
+        self._tau = time_constant_s
+        self._mass = 0.0  # items, each weighted by exp(-age / tau)
+        self._at: float | None = None
 
     def observe(self, items: int, ended_at: float) -> None:
-        self._batches.append((ended_at, items))
+        self._mass = self._decayed(ended_at) + items
+        self._at = ended_at
 
-    def items_per_s(self, now: float) -> float | None:
-        """Items per second since the oldest remembered batch ended (up to `now`, so a quiet
-        spell lowers it); None until two batches have run."""
-        if len(self._batches) < 2:
-            return None
-        span = now - self._batches[0][0]
-        if span <= 0:
-            return None
-        return sum(items for _, items in list(self._batches)[1:]) / span
+    def items_per_s(self, now: float) -> float:
+        """Items per second lately (0 before the first batch, and falling in a quiet spell)."""
+        return self._decayed(now) / self._tau
 
     def load(self, fit: CostFit | None, budget: int, now: float) -> float:
         """The share of the device's capacity (full batches back to back) in use, 0..1; 0
-        while unknown."""
-        rate = self.items_per_s(now)
-        if rate is None or fit is None or budget <= 0:
+        while the curve is unknown."""
+        if fit is None or budget <= 0:
             return 0.0
         capacity = budget / fit.seconds(budget)
-        return min(1.0, max(0.0, rate / capacity))
+        return min(1.0, max(0.0, self.items_per_s(now) / capacity))
+
+    def _decayed(self, now: float) -> float:
+        if self._at is None:
+            return 0.0
+        return self._mass * math.exp(-max(0.0, now - self._at) / self._tau)
 
 
 def plan_wait(
