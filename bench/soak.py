@@ -1,7 +1,7 @@
 """Soak: a steady open-loop load at a fraction of saturation for many minutes; is anything growing?
 
     python -m bench.soak [--minutes 10] [--load 0.8] [--model all-MiniLM-L6-v2]
-        [--window-s 60] [--warmup-windows N] [--saturation-s 15] [--out soak]
+        [--window-s 60] [--warmup-windows N] [--saturation-s 15] [--nats-diag 30] [--out soak]
 
 One `shoal up` (embedded nats-server, one gateway, one worker) serving `--model`. First a
 closed-loop run (64 connections, `--saturation-s`) finds the cluster's saturation rate; then
@@ -11,16 +11,21 @@ Poisson arrivals at `--load` x that rate, in back-to-back windows of `--window-s
 sampled every few seconds, by component (gateway, worker, nats, supervisor).
 
 Growth is judged after warm-up: each component's RSS at the end of `--warmup-windows`
-windows (default: two minutes' worth, as long as the work stream's duplicate window, so
-nats-server's state has reached its steady size) against its RSS at the end of the run
-(`--max-growth`, 10% by default). The run's verdict lists
+windows (default: two minutes' worth, or four of the work stream's duplicate windows if that
+is longer, by when nats-server's message ids have reached their steady size; see `WARMUP_S`)
+against its RSS at the end of the run (`--max-growth`, 10% by default). The run's verdict lists
 every component over that bound, every window with errors or lost requests, and whether the
 p99 of the last windows stays within 2x of the first full window's.
+
+`--nats-diag S` also samples the embedded nats-server's heap profile, streams and store every
+S seconds (`bench/nats_diag.py`) into the result's `nats_diagnostics` (and, with
+`--nats-diag-dir`, keeps each raw profile).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import threading
 import time
@@ -28,12 +33,24 @@ from pathlib import Path
 
 from bench.harness import UpCluster, component_tree, machine_facts, write_result
 from bench.loadgen import LoadSpec, run_load
+from bench.nats_diag import NatsDiagnostics
+from shoal.config import QueueSettings
 
 RSS_SAMPLE_S = 5.0
-# The work stream's duplicate window (QueueSettings.duplicate_window_s): until it has passed
-# once, nats-server keeps more message ids than it ever will again.
+# nats-server keeps the id of every work message for the stream's duplicate window
+# (QueueSettings.duplicate_window_s), and the expired ones until its list of ids is compacted,
+# once the list holds about three times what the window does: its heap, and the GC's target
+# with it, reach their steady size after about four windows (bench/nats_diag.py showed it).
+# Two minutes at least, for everything else (the worker's allocator, the gateway's buffers).
 WARMUP_S = 120.0
+DEDUP_WINDOWS_TO_STEADY = 4
 P99_DRIFT_BOUND = 2.0
+
+
+def warmup_s() -> float:
+    """How long before RSS is judged: `WARMUP_S`, or four duplicate windows if longer."""
+    window = QueueSettings.from_environment().duplicate_window_s
+    return max(WARMUP_S, DEDUP_WINDOWS_TO_STEADY * window)
 
 
 def rss_mb(pid: int) -> float:
@@ -97,13 +114,24 @@ def saturation_rps(url: str, model: str, seconds: float) -> float:
 
 def soak(args: argparse.Namespace) -> dict:
     windows = max(1, round(args.minutes * 60 / args.window_s))
-    with UpCluster("--model", args.model) as up:
+    diagnostics = None
+    if args.nats_diag > 0:
+        profile_dir = Path(args.nats_diag_dir) if args.nats_diag_dir else None
+        diagnostics = NatsDiagnostics(args.nats_diag, profile_dir)
+        print(
+            f"nats-server monitoring on 127.0.0.1:{diagnostics.monitor_port}, "
+            f"profiling on 127.0.0.1:{diagnostics.profile_port}"
+        )
+    env = diagnostics.environment if diagnostics else None
+    with UpCluster("--model", args.model, env=env) as up:
         run_load(LoadSpec(url=up.url, model=args.model, mode="closed", seconds=3))  # warm
         saturation = saturation_rps(up.url, args.model, args.saturation_s)
         rate = args.load * saturation
         print(f"saturation {saturation:.0f} req/s; offering {rate:.0f} req/s ({args.load:g})")
         sampler = RssSampler(up, min(RSS_SAMPLE_S, args.window_s / 2))
         sampler.start()
+        if diagnostics:
+            diagnostics.begin(Path(up.state_dir) / "nats")
         started = time.monotonic()
         results = []
         ends: list[float] = []
@@ -126,7 +154,17 @@ def soak(args: argparse.Namespace) -> dict:
                 f"lost {lost}, rss {_rss_line(sampler.at(ends[-1]))}"
             )
         sampler.stop()
-    return _verdict(args, saturation, rate, results, ends, sampler)
+        if diagnostics:
+            diagnostics.stop()
+            print("\n".join(diagnostics.summary_lines()))
+    summary = _verdict(args, saturation, rate, results, ends, sampler)
+    if diagnostics:
+        summary["nats_diagnostics"] = {
+            "interval_s": diagnostics.interval_s,
+            "samples": diagnostics.samples,
+            "errors": diagnostics.errors,
+        }
+    return summary
 
 
 def _rss_line(rss: dict[str, float]) -> str:
@@ -143,7 +181,7 @@ def _verdict(
 ) -> dict:
     warmup = args.warmup_windows
     if warmup is None:
-        warmup = max(1, round(WARMUP_S / args.window_s))
+        warmup = max(1, math.ceil(warmup_s() / args.window_s))
     warmup = min(warmup, len(ends))
     after_warmup, final = sampler.at(ends[warmup - 1]), sampler.samples[-1][1]
     growth = {name: (final.get(name, 0.0) - mb) / mb for name, mb in after_warmup.items() if mb > 0}
@@ -212,6 +250,10 @@ def main() -> None:
     )
     parser.add_argument("--saturation-s", type=float, default=15.0)
     parser.add_argument("--max-growth", type=float, default=0.10, help="RSS growth allowed")
+    parser.add_argument(
+        "--nats-diag", type=float, default=0.0, help="sample nats-server's heap every S s (0: off)"
+    )
+    parser.add_argument("--nats-diag-dir", help="keep each raw heap profile in this folder")
     parser.add_argument("--out", default="soak", help="result name or path")
     args = parser.parse_args()
     summary = soak(args)

@@ -1,5 +1,6 @@
 """A seconds-long soak (bench/soak.py) on the SIMULATED accelerator: the harness runs, every
-request is answered, and it reports RSS for every component."""
+request is answered, and it reports RSS for every component and, with `--nats-diag`, what the
+embedded nats-server's heap and streams hold."""
 
 from __future__ import annotations
 
@@ -9,13 +10,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import TEST_ENV
+
+from shoal.broker.embedded import diagnostic_args
 
 
 def test_short_soak_answers_everything_and_samples_memory(tmp_path: Path):
     out = tmp_path / "soak.json"
     command = [sys.executable, "-m", "bench.soak", "--model", "sim-embed", "--minutes", "0.25"]
     command += ["--window-s", "5", "--saturation-s", "3", "--load", "0.5", "--out", str(out)]
+    command += ["--nats-diag", "4"]
     # The verdict's memory bound is not asserted here: seconds are too few to judge growth.
     subprocess.run(
         command,
@@ -31,3 +36,20 @@ def test_short_soak_answers_everything_and_samples_memory(tmp_path: Path):
     assert all(w["p99_ms"] > 0 for w in result["windows"])
     for component in ("gateway", "worker", "nats"):
         assert result["rss_final_mb"][component] > 10, result["rss_final_mb"]
+    # nats-server's monitoring and profiling ports were open, and read, for this run only.
+    diagnostics = result["nats_diagnostics"]
+    assert diagnostics["errors"] == [] and len(diagnostics["samples"]) >= 3
+    last = diagnostics["samples"][-1]
+    assert last["rss_mb"] > 5 and last["memstats"]["HeapInuse"] > 0
+    assert last["memstats"]["HeapAlloc"] <= last["memstats"]["HeapInuse"]
+    assert last["heap_sites"], "the heap profile named no allocation site"
+    assert last["streams"]["SHOAL_WORK"]["last_seq"] > 0  # the soak's work went through it
+    assert "SHOAL_WORK" in last["store_files"]
+
+
+def test_nats_diagnostic_ports_are_off_unless_asked_for():
+    assert diagnostic_args({}) == []
+    asked = {"SHOAL_NATS_MONITOR_PORT": "8222", "SHOAL_NATS_PROFILE_PORT": " 6060 "}
+    assert diagnostic_args(asked) == ["--http_port", "8222", "--profile", "6060"]
+    with pytest.raises(ValueError, match="SHOAL_NATS_PROFILE_PORT"):
+        diagnostic_args({"SHOAL_NATS_PROFILE_PORT": "yes"})

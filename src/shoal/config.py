@@ -124,7 +124,11 @@ class QueueSettings:
     max_queued_per_model: int = 10_000
     ack_wait_s: float = 10.0
     max_deliver: int = 5
-    duplicate_window_s: float = 120.0
+    # The only publish it has to catch is the gateway's one retry, within 2 x 2 s of the first
+    # (broker/publish.py). nats-server keeps every id of the window, and each expired one until
+    # its id list is compacted (up to ~4 windows' worth): JetStream's default 120 s grew the
+    # server's RSS from 23 to 53 MB over ~6 minutes at ~330 messages/s (docs/benchmarks.md, Soak).
+    duplicate_window_s: float = 30.0
 
     @classmethod
     def from_environment(cls) -> QueueSettings:

@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from shoal.process import child_preexec
 
 # How much of nats-server's log an error message quotes.
 _LOG_TAIL_BYTES = 2000
+# Diagnostics, off unless set: nats-server's monitoring (/varz, /jsz) and Go profiling
+# (/debug/pprof/heap) ports. Both serve without authentication, so they stay off by default.
+MONITOR_PORT_ENV = "SHOAL_NATS_MONITOR_PORT"
+PROFILE_PORT_ENV = "SHOAL_NATS_PROFILE_PORT"
 
 
 def find_nats_server() -> str:
@@ -44,6 +49,10 @@ class EmbeddedNats:
     `config_file` is a nats-server config (users and their permissions, `broker/credentials.py`);
     without one the server lets anyone in, as tests that start their own server want. The
     flags above still win over the file: the config holds only who may do what.
+
+    For diagnosing the server (bench/soak.py uses them), `SHOAL_NATS_MONITOR_PORT` turns on its
+    HTTP monitoring (`/varz`, `/jsz`) and `SHOAL_NATS_PROFILE_PORT` Go's profiler
+    (`/debug/pprof/heap?debug=1`), both on `host` and unauthenticated; read once, here.
     """
 
     def __init__(
@@ -53,10 +62,15 @@ class EmbeddedNats:
         host: str = "127.0.0.1",
         config_file: Path | None = None,
         extra_args: Sequence[str] = (),
+        launcher: Sequence[str] = (),
     ):
         self._own_tmp = store_dir is None
         self.config_file = config_file
         self.extra_args = list(extra_args)  # e.g. a cluster node's name and routes (cluster.py)
+        self.extra_args += diagnostic_args(os.environ)
+        # A command the server runs under, which must exec it (so `pid` is the server's): e.g.
+        # `ip netns exec NAME`, a node in its own network namespace (tests/test_nats_cluster.py).
+        self.launcher = list(launcher)
         self.store_dir = Path(store_dir or tempfile.mkdtemp(prefix="shoal-nats-"))
         self.port = port
         self.host = host
@@ -90,6 +104,7 @@ class EmbeddedNats:
         shutil.rmtree(ports_dir, ignore_errors=True)
         ports_dir.mkdir()
         command = [
+            *self.launcher,
             find_nats_server(),
             "-js",
             "-a",
@@ -197,6 +212,18 @@ class EmbeddedNats:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def diagnostic_args(environ: Mapping[str, str]) -> list[str]:
+    """nats-server flags for the monitoring and profiling ports the environment asks for."""
+    args = []
+    for variable, flag in ((MONITOR_PORT_ENV, "--http_port"), (PROFILE_PORT_ENV, "--profile")):
+        port = environ.get(variable, "").strip()
+        if port:
+            if not port.isdigit():
+                raise ValueError(f"{variable} must be a port number, not {port!r}")
+            args += [flag, port]
+    return args
 
 
 def _accepts_connections(url: str) -> bool:
