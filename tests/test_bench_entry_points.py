@@ -14,9 +14,21 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _bench_modules() -> list[Path]:
+    """bench/'s own modules: not what lies in its hidden directories (the peers' virtualenvs
+    that bench/peers/install.sh makes under bench/.peers/, results)."""
+    return [
+        path
+        for path in (ROOT / "bench").rglob("*.py")
+        if not any(part.startswith(".") for part in path.relative_to(ROOT).parts)
+    ]
+
+
 ENTRY_POINTS = sorted(
     ".".join(path.relative_to(ROOT).with_suffix("").parts)
-    for path in (ROOT / "bench").rglob("*.py")
+    for path in _bench_modules()
     if 'if __name__ == "__main__"' in path.read_text()
 )
 
