@@ -25,6 +25,14 @@ Options (deployment `--option K=V`):
                    responses get the deployment name back.
   concurrency      requests in flight at once (default: the worker's --max-batch-items, else 8).
   startup_timeout  seconds to wait for the health endpoint (default 600: vLLM loads slowly).
+  lora_load_path   where the engine loads a LoRA adapter at run time (default
+                   `/v1/load_lora_adapter`, vLLM's; SGLang's is `/load_lora_adapter`), and
+  lora_unload_path where it drops one (default `/v1/unload_lora_adapter`).
+
+LoRA adapters (`shoal deploy NAME --base ENGINE_DEPLOYMENT --lora DIR`) go to an engine whose
+command has `--enable-lora`: each is loaded under its deployment's name with its local path
+(the engine must see the same filesystem), requests for it are sent with that name as
+`model`, and an engine that restarts gets its adapters again before it takes work.
 """
 
 from __future__ import annotations
@@ -50,6 +58,9 @@ from shoal.process import child_preexec
 from shoal.runtimes.model_files import resolve_source
 
 DEFAULT_HEALTH = "/v1/models"
+DEFAULT_LORA_LOAD = "/v1/load_lora_adapter"
+DEFAULT_LORA_UNLOAD = "/v1/unload_lora_adapter"
+ENABLE_LORA = "--enable-lora"
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 HOST = "127.0.0.1"
 # Restart backoff: 0.5 s after the first death, doubling to 30 s; an engine that stayed up
@@ -109,8 +120,16 @@ class EngineCommand:
             raise ValueError(f"the engine command {name!r} is not found{where}")
         return Path(found)
 
+    def takes_lora(self) -> bool:
+        """Whether the command line turns the engine's run-time LoRA loading on."""
+        return any(a == ENABLE_LORA or a.startswith(ENABLE_LORA + "=") for a in self.argv)
+
     def child_env(self) -> dict[str, str]:
         env = {**os.environ, **self.env}
+        if self.takes_lora():
+            # vLLM serves its load/unload adapter routes only with this set; an engine
+            # given --enable-lora is asked to load adapters at run time, so it is on.
+            env.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
         if self.venv_bin is not None:
             env["PATH"] = f"{self.venv_bin}{os.pathsep}{env.get('PATH', '')}"
             env["VIRTUAL_ENV"] = str(self.venv_bin.parent)
@@ -123,8 +142,7 @@ def _fill(arg: str, values: dict[str, str]) -> str:
     return arg
 
 
-def engine_command(options: dict[str, Any]) -> EngineCommand:
-    """The deployment's engine command; ValueError naming what is missing or wrong."""
+def _argv(options: dict[str, Any]) -> tuple[str, ...]:
     raw = options.get("command")
     if isinstance(raw, str):
         argv = tuple(shlex.split(raw))
@@ -137,6 +155,12 @@ def engine_command(options: dict[str, Any]) -> EngineCommand:
         )
     if not argv:
         raise ValueError("the engine command is empty")
+    return argv
+
+
+def engine_command(options: dict[str, Any]) -> EngineCommand:
+    """The deployment's engine command; ValueError naming what is missing or wrong."""
+    argv = _argv(options)
     env = options.get("env") or {}
     if not isinstance(env, dict):
         raise ValueError("option 'env' must be a JSON object of environment variables")
@@ -161,6 +185,18 @@ def engine_command(options: dict[str, Any]) -> EngineCommand:
 def check_engine_options(options: dict[str, Any]) -> None:
     """What a deployment checks before it is written (registry record `check_options`)."""
     engine_command(options)
+
+
+def check_engine_adapter_base(options: dict[str, Any]) -> None:
+    """ValueError unless an engine deployment can take LoRA adapters at run time
+    (registry record `check_adapter_base`): its command must turn them on."""
+    if not EngineCommand(_argv(options)).takes_lora():
+        raise ValueError(
+            f"its engine command has no {ENABLE_LORA}, so the engine cannot load adapters at "
+            f"run time: redeploy it with {ENABLE_LORA} in its command (vLLM and SGLang take "
+            "it; vLLM also --max-lora-rank for adapters of rank above 16 and --max-loras for "
+            "more than one at once)"
+        )
 
 
 def _free_port() -> int:
@@ -237,6 +273,9 @@ class EngineRuntime:
         self.startup_timeout_s = float(options.get("startup_timeout", DEFAULT_STARTUP_TIMEOUT_S))
         self._served = str(options["served_model"]) if options.get("served_model") else ""
         self.served_model = self._served or name
+        self._lora_load = str(options.get("lora_load_path") or DEFAULT_LORA_LOAD)
+        self._lora_unload = str(options.get("lora_unload_path") or DEFAULT_LORA_UNLOAD)
+        self.adapters: dict[str, str] = {}  # loaded LoRA adapters: name -> local path
         log_fd, log_name = tempfile.mkstemp(prefix=f"shoal-engine-{os.getpid()}-", suffix=".log")
         os.close(log_fd)
         self.log_path = Path(log_name)
@@ -361,6 +400,29 @@ class EngineRuntime:
         self.restarts += 1
         self._spawn()
         await self._wait_ready()
+        await self._reload_adapters()
+
+    async def _reload_adapters(self) -> None:
+        """Load the adapters the engine held before it restarted (it has none now).
+
+        EngineStartError if one fails: a restart without them would answer their requests
+        with the engine's "model not found".
+        """
+        client = self._http()
+        for name, path in self.adapters.items():
+            try:
+                response = await client.post(
+                    self.base_url + self._lora_load,
+                    json={"lora_name": name, "lora_path": path},
+                    timeout=120.0,
+                )
+            except httpx.HTTPError as err:
+                raise EngineStartError(f"reloading the adapter {name!r} failed: {err}") from err
+            if response.status_code != 200:
+                raise EngineStartError(
+                    f"the engine refused to reload the adapter {name!r}: "
+                    f"{response.status_code} {response.text[:500]}"
+                )
 
     def memory_mb(self) -> float:
         """Resident memory of the child and everything in its session (Linux; else 0)."""
@@ -394,6 +456,43 @@ class EngineRuntime:
     def close(self) -> None:
         """Stop the child and its session; the log file stays for inspection."""
         self._stop()
+
+    # -- LoRA adapters (AdapterHost; called from the worker's executor thread) ---------------
+
+    def add_adapter(self, name: str, path: str) -> None:
+        """Load a PEFT adapter directory into the engine under `name`.
+
+        ValueError with the engine's reason if it refuses (for example a rank above its
+        --max-lora-rank), or if its command does not turn run-time loading on.
+        """
+        if not self._command.takes_lora():
+            raise ValueError(f"the engine was started without {ENABLE_LORA}")
+        if name in self.adapters:
+            self.remove_adapter(name)
+        body = {"lora_name": name, "lora_path": str(Path(path).expanduser())}
+        response = self._post_blocking(self._lora_load, body)
+        if response.status_code != 200:
+            raise ValueError(
+                f"the engine refused the adapter: {response.status_code} {response.text[:500]}"
+            )
+        self.adapters[name] = body["lora_path"]
+
+    def remove_adapter(self, name: str) -> None:
+        """Unload an adapter from the engine; no request for it may still be in flight."""
+        if self.adapters.pop(name, None) is None:
+            return
+        response = self._post_blocking(self._lora_unload, {"lora_name": name})
+        if response.status_code != 200:
+            raise ValueError(
+                f"the engine did not unload the adapter: "
+                f"{response.status_code} {response.text[:500]}"
+            )
+
+    def _post_blocking(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        try:
+            return httpx.post(self.base_url + path, json=body, timeout=120.0)
+        except httpx.HTTPError as err:
+            raise ValueError(f"the engine did not answer {path}: {err}") from err
 
     # -- requests ------------------------------------------------------------------------
 

@@ -44,6 +44,9 @@ class RuntimeRecord:
     source_required: bool = True  # an engine's command may name its model itself
     # "module:function" that checks a spec's options at deploy time (ValueError says why).
     check_options: str = ""
+    # "module:function" that checks, at deploy time, that a base deployment's options let it
+    # take adapters (an engine's command must turn run-time LoRA loading on).
+    check_adapter_base: str = ""
 
     @property
     def tasks(self) -> tuple[Task, ...]:
@@ -120,6 +123,10 @@ RUNTIME_RECORDS: dict[str, RuntimeRecord] = {
             engine=True,
             source_required=False,
             check_options="shoal.runtimes.engine:check_engine_options",
+            # Loaded at run time by engines started with --enable-lora (vLLM, SGLang).
+            adapter_tasks=(Task.GENERATE,),
+            adapter_formats=(AdapterFormat.PEFT,),
+            check_adapter_base="shoal.runtimes.engine:check_engine_adapter_base",
         ),
         RuntimeRecord(
             name="sim",
@@ -163,6 +170,14 @@ def check_options(spec: ModelSpec) -> None:
     record = runtime_record(spec.runtime)
     if record.check_options:
         module_name, function_name = record.check_options.split(":")
+        getattr(importlib.import_module(module_name), function_name)(spec.options)
+
+
+def check_adapter_base(spec: ModelSpec) -> None:
+    """ValueError unless the base deployment `spec` can take LoRA adapters as configured."""
+    record = runtime_record(spec.runtime)
+    if record.check_adapter_base:
+        module_name, function_name = record.check_adapter_base.split(":")
         getattr(importlib.import_module(module_name), function_name)(spec.options)
 
 

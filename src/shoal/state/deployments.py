@@ -29,6 +29,7 @@ from shoal.protocol import (
 )
 from shoal.runtimes.registry import (
     RUNTIME_RECORDS,
+    check_adapter_base,
     check_adapter_source,
     check_options,
     check_runtime,
@@ -85,7 +86,7 @@ def validate_adapter(spec: ModelSpec, base: ModelSpec | None) -> None:
 
     Which runtimes serve adapters on which tasks, and in which formats, is in their registry
     records (torch: PEFT directories; llama.cpp: GGUF LoRA files, or PEFT directories it
-    converts once).
+    converts once; an engine: PEFT directories, if its command has --enable-lora).
     """
     if base is None:
         raise DeploymentError(f"the base model {spec.base!r} is not deployed")
@@ -100,6 +101,10 @@ def validate_adapter(spec: ModelSpec, base: ModelSpec | None) -> None:
             f"LoRA adapters are served on {served} models; {base.name!r} is "
             f"{base.runtime} {base.task.value}"
         )
+    try:
+        check_adapter_base(base)
+    except ValueError as err:
+        raise DeploymentError(f"{base.name!r} cannot take LoRA adapters: {err}") from None
     try:
         check_adapter_source(record, spec.adapter)
     except ValueError as err:

@@ -4,8 +4,10 @@ The engine (vLLM, SGLang, llama.cpp's server, ...) batches for itself; the sidec
 how much work it holds. The relay keeps at most `concurrency` requests in flight to the engine
 and pulls no more than it can send now, so queued work stays in the queue for other workers.
 Each request goes to the engine as the client sent it, with `model` set to the name the
-engine serves; a streamed answer is relayed event by event, in order, and the deployment's
-name is written back into each answer. A cancel closes the HTTP request to the engine.
+engine serves (for a LoRA deployment on this engine: the adapter's name, under which the
+engine loaded it); a streamed answer is relayed event by event, in order, and the
+deployment's name is written back into each answer. A cancel closes the HTTP request to the
+engine.
 
 When the engine dies, nothing it held is acked: a stream that has sent chunks ends with an
 error event (its tokens cannot be taken back), and everything else goes back to JetStream
@@ -171,7 +173,8 @@ class RelayScheduler(SchedulerBase):
                 continue
             try:
                 check_request(item.endpoint, item.body)
-                body = with_model(item.body, self._engine.served_model)
+                # A LoRA deployment's requests name its adapter, loaded under that name.
+                body = with_model(item.body, item.adapter or self._engine.served_model)
             except ApiError as err:
                 await self._answer(item, Reply.from_error(err))
                 continue
@@ -229,7 +232,7 @@ class RelayScheduler(SchedulerBase):
                 await self._answer(relay.item, Reply.from_error(error))
                 return
         self._count_usage(document)
-        document["model"] = self._model
+        document["model"] = relay.item.adapter or self._model
         await self._answer(relay.item, Reply(200, encode_json(document)))
 
     async def _relay_stream(self, relay: _Relay, endpoint: str, body: bytes) -> None:
@@ -252,7 +255,7 @@ class RelayScheduler(SchedulerBase):
                     if "error" in document and "choices" not in document:
                         raise StreamErrorEvent(document)
                     self._count_chunk(relay, document)
-                    document["model"] = self._model
+                    document["model"] = item.adapter or self._model
                     chunk, last = encode_json(document), document
                     finished = finished or _has_finish(document)
                     if held is not None:
