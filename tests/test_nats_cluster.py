@@ -6,6 +6,12 @@ leads the work stream is killed with SIGKILL, and later started again. Every req
 in its one correct answer: a client told to retry (503 while its gateway moves to another node)
 retries with the same Idempotency-Key, as a careful client does. The stream and the buckets
 are replicated on three nodes, so nothing queued is lost with the node.
+
+The same scenario runs twice: on loopback, and with each node in its own network namespace
+(`ip netns`, joined by veth pairs on a bridge), so the routes between nodes and the clients'
+connections cross real interfaces and the killed node's peers see a remote host go silent.
+The second skips, with the reason, where network namespaces cannot be made (not root, no
+`ip`, a container that forbids them).
 """
 
 from __future__ import annotations
@@ -13,15 +19,19 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import shutil
 import signal
+import subprocess
+from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 from conftest import wait_until
 
-from shoal.broker.cluster import LocalCluster
+from shoal.broker.cluster import CLUSTER_NAME, LocalCluster
 from shoal.broker.connection import connect
+from shoal.broker.embedded import EmbeddedNats
 from shoal.protocol import WORK_STREAM
 from shoal.runtimes.sim import pseudo_embedding
 
@@ -92,6 +102,14 @@ async def _send_all(url: str, texts: list[str], sent: list[int]) -> list[httpx.R
 
 
 def test_a_killed_stream_leader_loses_no_request_and_rejoins(cluster, launcher):
+    _leader_killed_under_load(cluster, launcher)
+
+
+def test_across_network_namespaces_a_killed_leader_loses_no_request(netns_cluster, launcher):
+    _leader_killed_under_load(netns_cluster, launcher)
+
+
+def _leader_killed_under_load(cluster: LocalCluster | NetnsCluster, launcher) -> None:
     _, url = launcher.gateway(cluster.url)
     launcher.worker(cluster.url, MODEL, "--runtime", "sim", "--option", "batch_ms=20")
     replicated = _stream_cluster(cluster.url)
@@ -129,3 +147,113 @@ def test_a_killed_stream_leader_loses_no_request_and_rejoins(cluster, launcher):
         ),
         60,
     )
+
+
+class NetnsCluster:
+    """Three nats-server nodes, each in its own network namespace on a bridge in this one.
+
+    Node i has 10.X.Y.(10+i) on the veth end inside its namespace; the bridge has 10.X.Y.1, so
+    this namespace (the gateway, the worker, the test) reaches every node through it. Every
+    node listens on the same ports, 4222 for clients and 6222 for routes: each namespace has
+    its own. As `LocalCluster` for the scenario: `url`, `nodes`, `node_named`.
+    """
+
+    CLIENT_PORT = 4222
+    ROUTE_PORT = 6222
+
+    def __init__(self, store_dir: Path, nodes: int = 3) -> None:
+        tag = f"{os.getpid() % 100_000:05d}"
+        self.prefix = f"{int(tag[:2]) % 50 + 200}.{int(tag[2:]) % 250}"  # 10.200-249.0-249
+        self.bridge = f"shbr{tag}"
+        self.namespaces = [f"shoal-{tag}-{index + 1}" for index in range(nodes)]
+        self.hosts = [f"10.{self.prefix}.{index + 11}" for index in range(nodes)]
+        routes = ",".join(f"nats://{host}:{self.ROUTE_PORT}" for host in self.hosts)
+        self.nodes = [
+            EmbeddedNats(
+                store_dir=store_dir / f"node{index + 1}",
+                port=self.CLIENT_PORT,
+                host=host,
+                launcher=["ip", "netns", "exec", namespace],
+                extra_args=[
+                    "-n",
+                    f"node{index + 1}",
+                    "--cluster_name",
+                    CLUSTER_NAME,
+                    "--cluster",
+                    f"nats://{host}:{self.ROUTE_PORT}",
+                    "--routes",
+                    routes,
+                ],
+            )
+            for index, (host, namespace) in enumerate(zip(self.hosts, self.namespaces, strict=True))
+        ]
+
+    @property
+    def url(self) -> str:
+        return ",".join(f"nats://{host}:{self.CLIENT_PORT}" for host in self.hosts)
+
+    def node_named(self, name: str) -> EmbeddedNats:
+        return self.nodes[int(name.removeprefix("node")) - 1]
+
+    def create_network(self) -> None:
+        """The bridge, and a namespace per node wired to it; raises CalledProcessError."""
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("addr", "add", f"10.{self.prefix}.1/24", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+        for index, (namespace, host) in enumerate(zip(self.namespaces, self.hosts, strict=True)):
+            outside, inside = f"{self.bridge}o{index}", f"{self.bridge}i{index}"
+            _ip("netns", "add", namespace)
+            _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
+            _ip("link", "set", inside, "netns", namespace)
+            _ip("link", "set", outside, "master", self.bridge, "up")
+            _ip("-n", namespace, "addr", "add", f"{host}/24", "dev", inside)
+            _ip("-n", namespace, "link", "set", inside, "up")
+            _ip("-n", namespace, "link", "set", "lo", "up")
+
+    def start(self, timeout: float = 20.0) -> None:
+        for node in self.nodes:
+            node.start(timeout)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def remove_network(self) -> None:
+        # Deleting a namespace deletes the veth end inside it, and so its peer on the bridge.
+        for namespace in self.namespaces:
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, check=False)
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], capture_output=True, check=True, timeout=10)
+
+
+def _reaches(namespace: str, host: str, port: int) -> bool:
+    """Whether a TCP connection from `namespace` to host:port succeeds (bash's /dev/tcp)."""
+    probe = f"exec 3<>/dev/tcp/{host}/{port}"
+    command = ["ip", "netns", "exec", namespace, "bash", "-c", probe]
+    return subprocess.run(command, capture_output=True, timeout=10, check=False).returncode == 0
+
+
+@pytest.fixture
+def netns_cluster(tmp_path):
+    if shutil.which("ip") is None or shutil.which("bash") is None:
+        pytest.skip("network namespaces need the `ip` command (iproute2) and bash")
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root (ip netns add)")
+    nodes = NetnsCluster(tmp_path / "nats")
+    try:
+        try:
+            nodes.create_network()
+        except subprocess.CalledProcessError as err:
+            pytest.skip(f"network namespaces are not permitted here: {err.stderr.decode().strip()}")
+        nodes.start()
+        # Traffic between namespaces crosses the bridge; a firewall that drops it is no test.
+        if not _reaches(nodes.namespaces[0], nodes.hosts[1], NetnsCluster.CLIENT_PORT):
+            pytest.skip("the bridge between network namespaces does not pass traffic here")
+        wait_until(lambda: _cluster_formed(nodes.url), 30)
+        yield nodes
+    finally:
+        nodes.stop()
+        nodes.remove_network()
