@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 from conftest import wait_until
 
-from shoal.broker.cluster import CLUSTER_NAME, LocalCluster
+from shoal.broker.cluster import LocalCluster, node_args
 from shoal.broker.connection import connect
 from shoal.broker.embedded import EmbeddedNats
 from shoal.protocol import WORK_STREAM
@@ -174,16 +174,7 @@ class NetnsCluster:
                 port=self.CLIENT_PORT,
                 host=host,
                 launcher=["ip", "netns", "exec", namespace],
-                extra_args=[
-                    "-n",
-                    f"node{index + 1}",
-                    "--cluster_name",
-                    CLUSTER_NAME,
-                    "--cluster",
-                    f"nats://{host}:{self.ROUTE_PORT}",
-                    "--routes",
-                    routes,
-                ],
+                extra_args=node_args(index, f"nats://{host}:{self.ROUTE_PORT}", routes),
             )
             for index, (host, namespace) in enumerate(zip(self.hosts, self.namespaces, strict=True))
         ]

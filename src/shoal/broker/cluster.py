@@ -46,16 +46,7 @@ class LocalCluster:
                 store_dir=root / f"node{index + 1}",
                 port=_free_port(),
                 config_file=config_file,  # the users and permissions, as on one server
-                extra_args=[
-                    "-n",
-                    f"node{index + 1}",
-                    "--cluster_name",
-                    CLUSTER_NAME,
-                    "--cluster",
-                    f"nats://127.0.0.1:{route_ports[index]}",
-                    "--routes",
-                    routes,
-                ],
+                extra_args=node_args(index, f"nats://127.0.0.1:{route_ports[index]}", routes),
             )
             for index in range(nodes)
         ]
@@ -84,6 +75,13 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def node_args(index: int, route_url: str, routes: str) -> list[str]:
+    """nats-server flags for node `index` (from 0) of a cluster: its name (`node1` ...), the
+    cluster's, where it listens for routes, and every node's route URL (comma-separated)."""
+    name = f"node{index + 1}"
+    return ["-n", name, "--cluster_name", CLUSTER_NAME, "--cluster", route_url, "--routes", routes]
 
 
 def cluster_size(js: JetStreamContext) -> int:
