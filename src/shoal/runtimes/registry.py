@@ -167,18 +167,20 @@ def check_runtime(spec: ModelSpec) -> RuntimeRecord:
 
 def check_options(spec: ModelSpec) -> None:
     """ValueError unless the spec's options suit its runtime (for runtimes that check them)."""
-    record = runtime_record(spec.runtime)
-    if record.check_options:
-        module_name, function_name = record.check_options.split(":")
-        getattr(importlib.import_module(module_name), function_name)(spec.options)
+    _run_check(runtime_record(spec.runtime).check_options, spec.options)
 
 
 def check_adapter_base(spec: ModelSpec) -> None:
     """ValueError unless the base deployment `spec` can take LoRA adapters as configured."""
-    record = runtime_record(spec.runtime)
-    if record.check_adapter_base:
-        module_name, function_name = record.check_adapter_base.split(":")
-        getattr(importlib.import_module(module_name), function_name)(spec.options)
+    _run_check(runtime_record(spec.runtime).check_adapter_base, spec.options)
+
+
+def _run_check(reference: str, options: dict[str, Any]) -> None:
+    """Call a record's "module:function" check on a deployment's options (none: no check);
+    imported only when called, so a runtime's module loads only where it is used."""
+    if reference:
+        module_name, function_name = reference.split(":")
+        getattr(importlib.import_module(module_name), function_name)(options)
 
 
 def load_runtime(spec: ModelSpec) -> Any:
