@@ -120,3 +120,28 @@ def test_a_gateway_killed_while_its_batch_runs_harms_no_other(
     time.sleep(2.5)  # past the tests' ack wait (2 s)
     status = worker_status(nats_server.url, worker.pid)
     assert status.items_done == 32 and status.redelivered == 0, status
+
+
+def test_envelopes_hold_at_most_half_the_smallest_workers_batch(
+    nats_server, session_launcher, gateway_url
+):
+    """A worker takes whole envelopes: with budget 8 an envelope holds 4 requests at most, so
+    a burst is spread over many messages instead of one worker's backlog."""
+    model = "sim-small-budget"
+    session_launcher.worker(
+        nats_server.url,
+        model,
+        "--runtime",
+        "sim",
+        "--option",
+        "batch_ms=20",
+        "--max-batch-items",
+        "8",
+    )
+    time.sleep(1.5)  # the gateway hears the worker's budget from its next status report
+    before = _stored_messages(nats_server.url)
+    texts = [f"small budget sentence {i}" for i in range(128)]
+    responses = asyncio.run(_send_all(gateway_url, model, texts, concurrency=128))
+    _assert_all_correct(responses, texts)
+    messages = _stored_messages(nats_server.url) - before
+    assert len(texts) / 4 <= messages < len(texts), messages

@@ -38,7 +38,7 @@ from shoal.config import GatewaySettings
 from shoal.gateway.admin import PREFIX as ADMIN_PREFIX
 from shoal.gateway.admin import check_token, handle_admin
 from shoal.gateway.auth import auth_for
-from shoal.gateway.committer import GroupCommitter
+from shoal.gateway.committer import GroupCommitter, envelope_cap
 from shoal.gateway.dashboard import DATA_PATH, PAGE_PATH, Dashboard
 from shoal.gateway.openapi import load_document
 from shoal.gateway.readiness import Readiness
@@ -358,7 +358,8 @@ class Gateway:
         # Generation travels alone: its worker pulls as many requests as it has free slots.
         alone = endpoint in (Endpoint.COMPLETIONS, Endpoint.CHAT_COMPLETIONS)
         if len(request.body) <= INLINE_BODY_BYTES:
-            await self.committer.submit(work_subject(model), request, alone=alone)
+            cap = envelope_cap(self.readiness.smallest_budget(model))
+            await self.committer.submit(work_subject(model), request, alone=alone, max_requests=cap)
             return
         # Too large for a work message on any NATS: the body waits beside the queue.
         await self._store_body(request)

@@ -52,6 +52,9 @@ class Readiness:
     def __init__(self, directory: ModelDirectory) -> None:
         self._directory = directory
         self._seen: dict[str, _Seen] = {}  # by KV key: <worker id>.<model token>
+        # By model: the smallest batch budget a live worker reported for it (the committer's
+        # envelope size follows it); kept up to date as reports arrive, so a lookup is cheap.
+        self._smallest_budget: dict[str, int] = {}
         self._task: asyncio.Task[None] | None = None
         self._watcher = None
         self._replaying = True
@@ -90,6 +93,10 @@ class Readiness:
             counts[status.model] = counts.get(status.model, 0) + int(ready)
         return counts
 
+    def smallest_budget(self, model: str) -> int | None:
+        """The smallest batch budget (items) among the workers reporting `model` lately."""
+        return self._smallest_budget.get(model)
+
     def missing(self) -> list[str]:
         """The pinned models without a READY worker, sorted."""
         return sorted(model for model, ready in self.ready_workers().items() if not ready)
@@ -99,7 +106,9 @@ class Readiness:
             self._replaying = False
             return
         if is_removal(entry):
-            self._seen.pop(entry.key, None)
+            removed = self._seen.pop(entry.key, None)
+            if removed is not None:
+                self._update_budget(removed.status.model)
             return
         try:
             status = decode_worker_status(entry.value)
@@ -114,3 +123,19 @@ class Readiness:
             # clock difference with the server matters only until the next report.
             at = now - max(0.0, time.time() - entry.created.timestamp())
         self._seen[entry.key] = _Seen(status, at)
+        self._update_budget(status.model)
+
+    def _update_budget(self, model: str) -> None:
+        now = time.monotonic()
+        budgets = [
+            seen.status.max_batch_items
+            for seen in self._seen.values()
+            if seen.status.model == model
+            and seen.status.max_batch_items > 0
+            and seen.status.state != WorkerState.FAILED
+            and now - seen.at <= STALE_S
+        ]
+        if budgets:
+            self._smallest_budget[model] = min(budgets)
+        else:
+            self._smallest_budget.pop(model, None)
