@@ -1,25 +1,35 @@
 """Soak: a steady open-loop load at a fraction of saturation for many minutes; is anything growing?
 
     python -m bench.soak [--minutes 10] [--load 0.8] [--model all-MiniLM-L6-v2]
-        [--window-s 60] [--warmup-windows N] [--saturation-s 15] [--nats-diag 30] [--out soak]
+        [--window-s 60] [--warmup-windows N] [--saturation-s 20] [--saturation-windows 3]
+        [--saturation-warmup-s 20] [--nats-diag 30] [--out soak]
 
-One `shoal up` (embedded nats-server, one gateway, one worker) serving `--model`. First a
-closed-loop run (64 connections, `--saturation-s`) finds the cluster's saturation rate; then
+One `shoal up` (embedded nats-server, one gateway, one worker) serving `--model`. First the
+cluster's saturation rate: a closed loop of 64 connections for `--saturation-warmup-s`
+(discarded: the first seconds after start run on cold caches and a worker still settling its
+batch budget), then `--saturation-windows` windows of `--saturation-s` each, whose median is
+taken (one short window read 25% high once, and 0.8 of it was really saturation). Then
 Poisson arrivals at `--load` x that rate, in back-to-back windows of `--window-s`, for
 `--minutes`. Each window reports its p50/p99, errors (anything but a 200) and lost requests
 (sent but never answered); the resident memory (RSS) of every process `shoal up` started is
 sampled every few seconds, by component (gateway, worker, nats, supervisor).
 
-Growth is judged after warm-up: each component's RSS at the end of `--warmup-windows`
-windows (default: two minutes' worth, or four of the work stream's duplicate windows if that
-is longer, by when nats-server's message ids have reached their steady size; see `WARMUP_S`)
-against its RSS at the end of the run (`--max-growth`, 10% by default). The run's verdict lists
-every component over that bound, every window with errors or lost requests, and whether the
-p99 of the last windows stays within 2x of the first full window's.
+Growth is judged after warm-up (`--warmup-windows` windows; default two minutes' worth, or
+four of the work stream's duplicate windows if that is longer, by when nats-server's message
+ids have reached their steady size; see `WARMUP_S`): each component's median RSS over the
+first window after warm-up against its median over the last window (`--max-growth`, 10% by
+default). Medians, because RSS saw-tooths (nats-server's GC, the allocator handing pages back)
+and one sample can land on a peak or a trough; whole windows, because a process whose memory
+keeps growing has a higher median in the last window whatever its saw-tooth. The peak after
+warm-up is reported beside it. The run's verdict lists every component over that bound, every
+window with errors or lost requests, a p99 that drifts (the last three windows' median over 2x
+the first window's after warm-up) and any window after warm-up whose p99 is over 2x the median
+of those windows (a spike).
 
 `--nats-diag S` also samples the embedded nats-server's heap profile, streams and store every
 S seconds (`bench/nats_diag.py`) into the result's `nats_diagnostics` (and, with
-`--nats-diag-dir`, keeps each raw profile).
+`--nats-diag-dir`, keeps each raw profile). `bench/memprobe/` (on `PYTHONPATH`, with
+`SHOAL_MEMPROBE_DIR`) samples the Python components' allocator and batch sizes.
 """
 
 from __future__ import annotations
@@ -45,6 +55,9 @@ RSS_SAMPLE_S = 5.0
 WARMUP_S = 120.0
 DEDUP_WINDOWS_TO_STEADY = 4
 P99_DRIFT_BOUND = 2.0
+# A window after warm-up whose p99 is over this multiple of those windows' median is a spike:
+# a minute in which the queue built up, which a steady 80% load should not see.
+P99_SPIKE_BOUND = 2.0
 
 
 def warmup_s() -> float:
@@ -104,12 +117,27 @@ class RssSampler(threading.Thread):
         return chosen
 
 
-def saturation_rps(url: str, model: str, seconds: float) -> float:
+def closed_loop_rps(url: str, model: str, seconds: float) -> float:
     """Requests answered per second by a closed loop of 64 connections."""
     result = run_load(
         LoadSpec(url=url, model=model, mode="closed", connections=64, seconds=seconds)
     )
     return result.rps
+
+
+def saturation_rps(
+    url: str, model: str, warmup_s: float, seconds: float, windows: int
+) -> tuple[float, list[float]]:
+    """The median closed-loop rate over `windows` windows of `seconds`, after `warmup_s` of
+    the same load (discarded); and each window's rate."""
+    if warmup_s > 0:
+        warm = closed_loop_rps(url, model, warmup_s)
+        print(f"saturation warm-up ({warmup_s:g} s): {warm:.0f} req/s (discarded)")
+    rates = []
+    for index in range(windows):
+        rates.append(closed_loop_rps(url, model, seconds))
+        print(f"saturation window {index + 1}/{windows} ({seconds:g} s): {rates[-1]:.0f} req/s")
+    return statistics.median(rates), rates
 
 
 def soak(args: argparse.Namespace) -> dict:
@@ -125,9 +153,14 @@ def soak(args: argparse.Namespace) -> dict:
     env = diagnostics.environment if diagnostics else None
     with UpCluster("--model", args.model, env=env) as up:
         run_load(LoadSpec(url=up.url, model=args.model, mode="closed", seconds=3))  # warm
-        saturation = saturation_rps(up.url, args.model, args.saturation_s)
+        saturation, saturation_windows = saturation_rps(
+            up.url, args.model, args.saturation_warmup_s, args.saturation_s, args.saturation_windows
+        )
         rate = args.load * saturation
-        print(f"saturation {saturation:.0f} req/s; offering {rate:.0f} req/s ({args.load:g})")
+        print(
+            f"saturation {saturation:.0f} req/s (median of {len(saturation_windows)}); "
+            f"offering {rate:.0f} req/s ({args.load:g})"
+        )
         sampler = RssSampler(up, min(RSS_SAMPLE_S, args.window_s / 2))
         sampler.start()
         if diagnostics:
@@ -158,6 +191,7 @@ def soak(args: argparse.Namespace) -> dict:
             diagnostics.stop()
             print("\n".join(diagnostics.summary_lines()))
     summary = _verdict(args, saturation, rate, results, ends, sampler)
+    summary["saturation_windows_rps"] = saturation_windows
     if diagnostics:
         summary["nats_diagnostics"] = {
             "interval_s": diagnostics.interval_s,
@@ -182,12 +216,20 @@ def _verdict(
     warmup = args.warmup_windows
     if warmup is None:
         warmup = max(1, math.ceil(warmup_s() / args.window_s))
-    warmup = min(warmup, len(ends))
-    after_warmup, final = sampler.at(ends[warmup - 1]), sampler.samples[-1][1]
-    growth = {name: (final.get(name, 0.0) - mb) / mb for name, mb in after_warmup.items() if mb > 0}
+    # At least one window after warm-up is judged, even in a run too short to warm up.
+    warmup = max(0, min(warmup, len(ends) - 1))
+    first = _window_samples(sampler, ends, warmup)
+    last = _window_samples(sampler, ends, len(ends) - 1)
+    judged = [rss for when, rss in sampler.samples if when > (ends[warmup - 1] if warmup else 0)]
+    names = sorted({name for _, rss in sampler.samples for name in rss})
+    after_warmup = {name: statistics.median(r.get(name, 0.0) for r in first) for name in names}
+    final = {name: statistics.median(r.get(name, 0.0) for r in last) for name in names}
+    peak = {name: max(r.get(name, 0.0) for r in judged) for name in names}
+    growth = {name: (final[name] - mb) / mb for name, mb in after_warmup.items() if mb > 0}
     p99s = [result.p99_ms for result in results]
-    baseline = p99s[min(warmup, len(p99s) - 1)]  # the first windows warm up
+    baseline = p99s[warmup]  # the first window after warm-up
     tail = p99s[-3:]
+    steady = statistics.median(p99s[warmup:])
     failures = []
     for name, rise in sorted(growth.items()):
         if rise > args.max_growth:
@@ -199,6 +241,9 @@ def _verdict(
             )
     if statistics.median(tail) > P99_DRIFT_BOUND * baseline:
         failures.append(f"p99 drifted: {baseline:.1f} ms -> {tail} ms")
+    for index, p99 in enumerate(p99s[warmup:], warmup + 1):
+        if p99 > P99_SPIKE_BOUND * steady:
+            failures.append(f"window {index}: p99 {p99:.0f} ms, over 2x the median {steady:.0f}")
     summary = {
         "machine": machine_facts(),
         "model": args.model,
@@ -218,8 +263,11 @@ def _verdict(
             }
             for r, end in zip(results, ends, strict=True)
         ],
+        "rss_rule": "median of the first window after warm-up -> median of the last window",
         "rss_after_warmup_mb": after_warmup,
         "rss_final_mb": final,
+        "rss_peak_after_warmup_mb": peak,
+        "p99_median_after_warmup_ms": steady,
         "rss_growth": growth,
         "rss_samples": sampler.samples,
         "errors": sum(r.errors for r in results),
@@ -228,15 +276,22 @@ def _verdict(
         "passed": not failures,
     }
     print(
-        "RSS after warm-up -> end: "
+        "RSS (median) first window after warm-up -> last window, peak: "
         + ", ".join(
-            f"{name} {after_warmup.get(name, 0):.0f} -> {final.get(name, 0):.0f} MB "
-            f"({100 * growth.get(name, 0):+.1f}%)"
-            for name in sorted(final)
+            f"{name} {after_warmup[name]:.1f} -> {final[name]:.1f} MB "
+            f"({100 * growth.get(name, 0):+.1f}%), peak {peak[name]:.1f}"
+            for name in names
         )
     )
     print("PASSED" if not failures else "FAILED:\n  " + "\n  ".join(failures))
     return summary
+
+
+def _window_samples(sampler: RssSampler, ends: list[float], index: int) -> list[dict[str, float]]:
+    """The RSS samples taken during window `index` (0-based), or the one nearest its end."""
+    start = ends[index - 1] if index else 0.0
+    inside = [rss for when, rss in sampler.samples if start < when <= ends[index]]
+    return inside or [sampler.at(ends[index])]
 
 
 def main() -> None:
@@ -248,7 +303,13 @@ def main() -> None:
     parser.add_argument(
         "--warmup-windows", type=int, default=None, help="windows before RSS is compared"
     )
-    parser.add_argument("--saturation-s", type=float, default=15.0)
+    parser.add_argument("--saturation-s", type=float, default=20.0, help="one probe window")
+    parser.add_argument(
+        "--saturation-windows", type=int, default=3, help="probe windows; their median is used"
+    )
+    parser.add_argument(
+        "--saturation-warmup-s", type=float, default=20.0, help="closed loop before the probe"
+    )
     parser.add_argument("--max-growth", type=float, default=0.10, help="RSS growth allowed")
     parser.add_argument(
         "--nats-diag", type=float, default=0.0, help="sample nats-server's heap every S s (0: off)"

@@ -20,6 +20,7 @@ def test_short_soak_answers_everything_and_samples_memory(tmp_path: Path):
     out = tmp_path / "soak.json"
     command = [sys.executable, "-m", "bench.soak", "--model", "sim-embed", "--minutes", "0.25"]
     command += ["--window-s", "5", "--saturation-s", "3", "--load", "0.5", "--out", str(out)]
+    command += ["--saturation-warmup-s", "2", "--saturation-windows", "2"]
     command += ["--nats-diag", "4"]
     # The verdict's memory bound is not asserted here: seconds are too few to judge growth.
     subprocess.run(
@@ -32,10 +33,14 @@ def test_short_soak_answers_everything_and_samples_memory(tmp_path: Path):
     result = json.loads(out.read_text())
     assert len(result["windows"]) == 3
     assert result["saturation_rps"] > 0 and result["offered_rps"] > 0
+    # The probe's windows are kept, and the rate offered is their median's fraction.
+    assert len(result["saturation_windows_rps"]) == 2
+    assert result["offered_rps"] == pytest.approx(0.5 * result["saturation_rps"])
     assert result["errors"] == 0 and result["lost"] == 0
     assert all(w["p99_ms"] > 0 for w in result["windows"])
     for component in ("gateway", "worker", "nats"):
         assert result["rss_final_mb"][component] > 10, result["rss_final_mb"]
+        assert result["rss_peak_after_warmup_mb"][component] >= result["rss_final_mb"][component]
     # nats-server's monitoring and profiling ports were open, and read, for this run only.
     diagnostics = result["nats_diagnostics"]
     assert diagnostics["errors"] == [] and len(diagnostics["samples"]) >= 3

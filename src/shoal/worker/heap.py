@@ -1,0 +1,77 @@
+"""Handing the C heap's free pages back to the system now and then, so a worker's RSS stays flat.
+
+A torch model on the CPU allocates its activations with glibc's malloc, at sizes set by each
+batch (items x padded length). After the first large tensor is freed glibc raises its mmap
+threshold (up to 32 MiB), so later tensors come from its arenas, and batches of ever-changing
+sizes leave free chunks between live ones that glibc keeps rather than returning: RSS grows in
+steps while the bytes in use stay level. The default model alone, 800 batches of 1-256 items
+in one thread, went 760 -> 986 MB of RSS with its arenas' bytes in use at 200-209 MB and their
+free bytes 206 -> 423 MB (`bench/memprobe/batches.py`); `shoal up` under the soak's load, 624
+-> 656 MB in four minutes, all of it free arena bytes (issue 13 part 7, docs/benchmarks.md).
+
+`malloc_trim(0)` returns every whole free page in every arena (madvise), so RSS falls back to
+what is in use. Every `SHOAL_MALLOC_TRIM_S` seconds (default 10; 0 turns it off) a daemon
+thread calls it: about a millisecond a call, and the pages a later batch needs again are
+faulted back in once per interval. Fixing glibc's mmap threshold instead
+(`MALLOC_MMAP_THRESHOLD_`) also held RSS flat but cost 19-25% of the model's throughput, every
+tensor over it then being mapped and unmapped at each use. Where the C library has no
+`malloc_trim` (not glibc) there is nothing to do.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import threading
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TRIM_INTERVAL_S = 10.0
+
+
+def trim_interval_s(environ: dict[str, str] | None = None) -> float:
+    """`SHOAL_MALLOC_TRIM_S`: seconds between trims, 0 for none."""
+    text = (environ if environ is not None else os.environ).get("SHOAL_MALLOC_TRIM_S", "")
+    if not text.strip():
+        return DEFAULT_TRIM_INTERVAL_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise ValueError(f"SHOAL_MALLOC_TRIM_S={text!r} is not a number of seconds") from None
+    if seconds < 0:
+        raise ValueError(f"SHOAL_MALLOC_TRIM_S={text!r} is negative")
+    return seconds
+
+
+def _malloc_trim() -> ctypes._CFuncPtr | None:
+    """glibc's malloc_trim, or None where the C library has none."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
+
+
+def start_heap_trimmer(interval_s: float | None = None) -> threading.Thread | None:
+    """Start the daemon thread that trims the heap every `interval_s` (default: from the
+    environment); None when trimming is off or unavailable."""
+    interval = trim_interval_s() if interval_s is None else interval_s
+    trim = _malloc_trim() if interval > 0 else None
+    if trim is None:
+        return None
+
+    def run() -> None:
+        while True:
+            halt.wait(interval)
+            trim(0)
+
+    halt = threading.Event()  # never set: the thread lives as long as the process
+    thread = threading.Thread(target=run, name="shoal-heap-trim", daemon=True)
+    thread.start()
+    log.debug("trimming the C heap every %g s", interval)
+    return thread
