@@ -25,7 +25,9 @@ import openai
 import pytest
 from conftest import wait_until, worker_status
 
+from shoal.broker.connection import connect
 from shoal.runtimes.engine import check_engine_options
+from shoal.state.profiles import BatchProfile, read_profiles
 
 
 def _server_importable() -> bool:
@@ -75,10 +77,11 @@ ENGINE_COMMAND = [
 
 
 def engine_args(
-    concurrency: int, command: list[str] = ENGINE_COMMAND, task: str = "generate"
+    concurrency: int | None, command: list[str] = ENGINE_COMMAND, task: str = "generate"
 ) -> list[str]:
-    """The worker flags of an engine deployment of Gemma 3 270M on llama_cpp.server."""
-    return [
+    """The worker flags of an engine deployment of Gemma 3 270M on llama_cpp.server
+    (`concurrency` None: none given, so the worker profiles the engine for it)."""
+    args = [
         "--runtime",
         "engine",
         "--task",
@@ -87,9 +90,10 @@ def engine_args(
         SOURCE,
         "--option",
         f"command={json.dumps(command)}",
-        "--option",
-        f"concurrency={concurrency}",
     ]
+    if concurrency is not None:
+        args += ["--option", f"concurrency={concurrency}"]
+    return args
 
 
 def engine_process(worker_pid: int) -> tuple[int, int]:
@@ -278,6 +282,47 @@ def test_embeddings_route_refuses_a_generative_engine(gateway_url, engine_worker
     response = httpx.post(f"{gateway_url}/v1/embeddings", json={"model": MODEL, "input": "x"})
     assert response.status_code == 400
     assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def stored_profiles(nats_url: str, model: str) -> list[BatchProfile]:
+    async def read() -> list[BatchProfile]:
+        nc = await connect(nats_url, name="test")
+        try:
+            return await read_profiles(nc.jetstream())
+        finally:
+            await nc.close()
+
+    return [profile for profile in asyncio.run(read()) if profile.model == model]
+
+
+@needs_server
+def test_concurrency_is_profiled_on_first_load_and_reused(nats_server, session_launcher):
+    """No `concurrency` option, no --max-batch-items: the first worker times the engine at
+    1, 2, ... requests in flight (1 s each) and stores the profile; the next one reuses it.
+
+    llama_cpp.server runs one request at a time, so two in flight gain nothing over one and
+    the timing stops there; the choice is the floor of 2 (one waiting in the engine while
+    the relay pulls the next through the queue).
+    """
+    model = "gemma-engine-profiled"
+    args = [*engine_args(None), "--option", "profile_seconds=1"]
+    began = time.monotonic()
+    first = session_launcher.worker(nats_server.url, model, *args, timeout=180)
+    (profile,) = stored_profiles(nats_server.url, model)
+    assert profile.runtime == "engine" and profile.profiled_by
+    assert sorted(profile.throughput) == [1, 2], profile  # saturated at 1: stopped at 2
+    assert all(rate > 1 for rate in profile.throughput.values())  # tokens/s, ~20 here
+    assert profile.throughput[2] < 1.05 * profile.throughput[1]
+    assert profile.max_batch_items == 2
+    assert worker_status(nats_server.url, first.pid).slots == 2
+    first.stop()
+    print(f"first load with profiling: {time.monotonic() - began:.1f} s; {profile}")
+
+    second = session_launcher.worker(nats_server.url, model, *args, timeout=180)
+    (again,) = stored_profiles(nats_server.url, model)
+    assert again.profiled_ms == profile.profiled_ms  # read, not measured again
+    assert worker_status(nats_server.url, second.pid).slots == 2
+    second.stop()
 
 
 @needs_server

@@ -146,8 +146,11 @@ class ModelServer:
             from shoal.worker.schedulers.relay import DEFAULT_CONCURRENCY  # imports httpx
 
             self.memory_mb = runtime.memory_mb()
-            limit = runtime.concurrency or settings.max_batch_items or DEFAULT_CONCURRENCY
-            self.budget = BatchBudget(limit, settings.max_batch_tokens)
+            limit = runtime.concurrency or settings.max_batch_items
+            if limit:
+                self.budget = BatchBudget(limit, settings.max_batch_tokens)
+            else:  # neither given: the engine's concurrency from its profile
+                self.budget = await self._engine_budget(runtime, DEFAULT_CONCURRENCY)
         elif not settings.max_batch_items:
             self.budget = await tuned_budget(
                 js,
@@ -187,6 +190,30 @@ class ModelServer:
         ]
         self._run_task = asyncio.create_task(self._scheduler.run())
         log.info("%s ready on %s (%.0f MB)", spec.name, spec.runtime, self.memory_mb)
+
+    async def _engine_budget(self, runtime: Any, fallback: int) -> BatchBudget:
+        """The relay's concurrency from the engine's stored profile, profiling it first if
+        there is none; `fallback` if profiling fails (the engine still serves)."""
+        settings = self.settings
+        try:
+            return await tuned_budget(
+                self.nc.jetstream(),
+                self.spec,
+                runtime,
+                self._executor,
+                self.worker_id,
+                settings.max_batch_tokens,
+                settings.latency_targets,
+                engine=True,
+            )
+        except Exception as err:  # e.g. an engine that serves chat only: no completions
+            log.warning(
+                "%s: profiling the engine failed (%s); %d requests in flight",
+                self.spec.name,
+                err,
+                fallback,
+            )
+            return BatchBudget(fallback, settings.max_batch_tokens)
 
     def _reprofile_soon(self) -> None:
         """The stored profile was contradicted in service: profile again, once, meanwhile

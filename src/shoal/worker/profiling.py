@@ -12,6 +12,14 @@ hardware fingerprint); every later worker with the same key reads it instead of 
 Workers that start together race for the key with a KV create: one profiles, the others wait.
 The token budget is not profiled: it bounds memory on long texts and stays as configured.
 
+An engine (the `engine` runtime: a server child that batches for itself) is profiled from
+outside, over HTTP: `profile_engine` keeps 1, 2, 4, ... 16 requests in flight to it for a few
+seconds each and takes the smallest concurrency whose throughput (tokens a second, or inputs
+a second for embeddings) is within 10% of the best, among those whose streams stay within the
+token latency target. Smallest, unlike batches: an engine gains nothing from requests it only
+queues, and each one the relay holds is kept from other workers. It is stored and shared as
+any profile is; its `max_batch_items` is the relay's concurrency.
+
 A profile has to hold on a machine that is still busy starting (or shared): the sizes are
 timed in `PROFILE_PASSES` interleaved passes and each size's median is kept, so a busy spell
 slows one timing of each size rather than all timings of some sizes. And a worker audits the
@@ -23,6 +31,7 @@ once more and stores the new result for every worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import platform
@@ -33,12 +42,14 @@ from collections import deque
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from itertools import pairwise
+from typing import Any, Protocol
 
+import msgspec
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from shoal.config import LatencyTargets
-from shoal.protocol import ModelSpec, Task, now_ms
+from shoal.protocol import Endpoint, ModelSpec, Task, encode_json, now_ms
 from shoal.runtimes.base import (
     EmbeddingRuntime,
     GenerationRuntime,
@@ -65,6 +76,10 @@ AUDIT_BATCHES = 32
 FASTER_THAN_PROFILE = 0.7  # in service at most 0.7x the profile's seconds: profiled too busy
 _PROFILE_TEXT = "Sentence number {i} about pulling work from a shared queue, for profiling."
 MIN_STEPS_PER_SIZE = 3
+ENGINE_SIZES = (1, 2, 4, 8, 16)
+ENGINE_WITHIN_BEST = 0.9
+ENGINE_MIN_CONCURRENCY = 2
+ENGINE_PROFILE_TOKENS = 16  # generated per profiling request
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +253,89 @@ def _seconds_per_step(runtime: GenerationRuntime, size: int) -> float:
             runtime.remove_sequence(slot)
 
 
+class ProfiledEngine(Protocol):
+    """What engine profiling needs of the `engine` runtime (runtimes/engine.py)."""
+
+    served_model: str
+    profile_seconds: float
+
+    async def post(self, endpoint: str, body: bytes) -> Any: ...
+
+
+async def profile_engine(
+    engine: ProfiledEngine,
+    task: Task,
+    latency_target_s: float,
+    sizes: tuple[int, ...] = ENGINE_SIZES,
+) -> Measurements:
+    """Time the engine at each concurrency in `sizes` and choose one (in the event loop).
+
+    For a generative model a unit of work is a generated token (completions, greedy,
+    `ENGINE_PROFILE_TOKENS` each) and latency is seconds between two tokens of one stream;
+    for embeddings, one input and seconds per request. Each size is timed in a closed loop
+    for the engine's `profile_seconds`. Timing stops early once a doubling gains under 5%
+    over the best so far: the engine is saturated. ValueError if the engine refuses the
+    profiling requests (the caller falls back to a fixed concurrency).
+    """
+    generate = task is Task.GENERATE
+    if generate:
+        endpoint = Endpoint.COMPLETIONS.value
+        body = {"prompt": _PROFILE_TEXT.format(i=0), "max_tokens": ENGINE_PROFILE_TOKENS}
+        body["temperature"] = 0.0  # greedy: every request the same length
+    else:
+        endpoint, body = Endpoint.EMBEDDINGS.value, {"input": _PROFILE_TEXT.format(i=0)}
+    request = encode_json({**body, "model": engine.served_model})
+    await _engine_units(engine, endpoint, request, generate)  # warm up, and learn it answers
+    throughput: dict[int, float] = {}
+    latency: dict[int, float] = {}
+    for size in sizes:
+        units, seconds = await _engine_closed_loop(
+            engine, endpoint, request, generate, size, engine.profile_seconds
+        )
+        throughput[size] = units / seconds
+        # Little's law: each of `size` streams gets 1/size of the throughput.
+        latency[size] = size / throughput[size]
+        best_before = max((v for s, v in throughput.items() if s < size), default=0.0)
+        if best_before and throughput[size] < best_before / WITHIN_BEST:
+            break
+    fitting = [s for s in throughput if latency[s] <= latency_target_s] or [min(throughput)]
+    best = max(throughput[s] for s in fitting)
+    chosen = min(s for s in fitting if throughput[s] >= ENGINE_WITHIN_BEST * best)
+    # At least 2: the relay replaces a finished request only after a pull through the queue,
+    # and a second one in flight keeps even a one-at-a-time engine busy meanwhile.
+    return Measurements(throughput, latency, max(chosen, ENGINE_MIN_CONCURRENCY))
+
+
+async def _engine_units(engine: ProfiledEngine, endpoint: str, body: bytes, generate: bool) -> int:
+    reply = await engine.post(endpoint, body)
+    if reply.status != 200:
+        raise ValueError(f"the engine answered {reply.status}: {reply.body[:300]!r}")
+    document = msgspec.json.decode(reply.body)
+    if generate:
+        return int((document.get("usage") or {}).get("completion_tokens") or 0)
+    return len(document.get("data") or [])
+
+
+async def _engine_closed_loop(
+    engine: ProfiledEngine, endpoint: str, body: bytes, generate: bool, size: int, seconds: float
+) -> tuple[int, float]:
+    """`size` clients, each sending its next request when the last one ends, for `seconds`:
+    the units done and the time until the last request ended."""
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    deadline = began + seconds
+
+    async def client() -> int:
+        done = 0
+        while True:  # at least one request each, so the size is timed with all in flight
+            done += await _engine_units(engine, endpoint, body, generate)
+            if loop.time() >= deadline:
+                return done
+
+    units = sum(await asyncio.gather(*(client() for _ in range(size))))
+    return units, loop.time() - began
+
+
 def choose_budget(
     throughput: dict[int, float], latency_s: dict[int, float], latency_target_s: float
 ) -> int:
@@ -261,8 +359,14 @@ async def tuned_budget(
     worker_id: str,
     max_batch_tokens: int,
     targets: LatencyTargets,
+    *,
+    engine: bool = False,
 ) -> BatchBudget:
-    """The model's batch budget from its stored profile, profiling first if there is none."""
+    """The model's batch budget from its stored profile, profiling first if there is none.
+
+    `engine`: the runtime is an inference server child, profiled over HTTP for the relay's
+    concurrency (`profile_engine`).
+    """
     kv = await ensure_profiles_kv(js)
     hardware = hardware_fingerprint()
     key = profile_key(spec, hardware)
@@ -274,9 +378,16 @@ async def tuned_budget(
         if await claim_profile(kv, key) or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.5)  # another worker is profiling this model: wait for it
-    return await measure_and_store(
-        kv, key, spec, runtime, executor, worker_id, max_batch_tokens, targets
-    )
+    try:
+        return await measure_and_store(
+            kv, key, spec, runtime, executor, worker_id, max_batch_tokens, targets, engine=engine
+        )
+    except BaseException:
+        # Drop the claim: the other workers would wait WAIT_FOR_OTHER_S for a profile that
+        # is not coming.
+        with contextlib.suppress(Exception):
+            await kv.delete(key)
+        raise
 
 
 async def reprofile(
@@ -305,14 +416,21 @@ async def measure_and_store(
     worker_id: str,
     max_batch_tokens: int,
     targets: LatencyTargets,
+    *,
+    engine: bool = False,
 ) -> BatchBudget:
-    """Profile the runtime in the executor, store the profile under `key`, return the budget."""
-    if spec.task is Task.GENERATE:
-        measure, target = profile_sequences, targets.token_s
+    """Profile the runtime in the executor (an engine: over HTTP, in the event loop), store
+    the profile under `key`, return the budget."""
+    if engine:
+        target = targets.token_s if spec.task is Task.GENERATE else targets.batch_s
+        measured = await profile_engine(runtime, spec.task, target)  # type: ignore[arg-type]
     else:
-        measure, target = profile_batches, targets.batch_s
-    loop = asyncio.get_running_loop()
-    measured = await loop.run_in_executor(executor, measure, runtime, target)
+        if spec.task is Task.GENERATE:
+            measure, target = profile_sequences, targets.token_s
+        else:
+            measure, target = profile_batches, targets.batch_s
+        loop = asyncio.get_running_loop()
+        measured = await loop.run_in_executor(executor, measure, runtime, target)
     profile = BatchProfile(
         model=spec.name,
         runtime=spec.runtime,
