@@ -9,13 +9,25 @@ in one thread, went 760 -> 986 MB of RSS with its arenas' bytes in use at 200-20
 free bytes 206 -> 423 MB (`bench/memprobe/batches.py`); `shoal up` under the soak's load, 624
 -> 656 MB in four minutes, all of it free arena bytes (issue 13 part 7, docs/benchmarks.md).
 
-`malloc_trim(0)` returns every whole free page in every arena (madvise), so RSS falls back to
-what is in use. Every `SHOAL_MALLOC_TRIM_S` seconds (default 10; 0 turns it off) a daemon
-thread calls it: about a millisecond a call, and the pages a later batch needs again are
-faulted back in once per interval. Fixing glibc's mmap threshold instead
-(`MALLOC_MMAP_THRESHOLD_`) also held RSS flat but cost 19-25% of the model's throughput, every
-tensor over it then being mapped and unmapped at each use. Where the C library has no
-`malloc_trim` (not glibc) there is nothing to do.
+What keeps those chunks apart is, most likely, small ones: the pieces `posix_memalign` (torch's
+CPU allocator) cuts off around an aligned block, and other small frees, wait in glibc's
+per-thread cache and fast bins unmerged with their free neighbours, so two freed tensors side
+by side do not make one hole that a larger tensor fits. With both caches off
+(`GLIBC_TUNABLES=glibc.malloc.tcache_count=0:glibc.malloc.mxfast=0`) the same mix levelled off
+at 90-113 MB free within 300 batches, against 328-438 MB and growing with them on, at about
+the same speed.
+
+`malloc_trim(0)` merges the fast bins (glibc's `mtrim` begins with `malloc_consolidate`) and
+returns every whole free page in every arena (madvise), so RSS falls back to what is in use;
+under `shoal up` it also stopped the arenas' growth (234 MB from start to end of a 10-minute
+soak, against 201 -> 266 MB in four minutes untrimmed). Every `SHOAL_MALLOC_TRIM_S` seconds
+(default 10; 0 turns it off) a daemon thread calls it: about a millisecond a call, and the
+pages a later batch needs again are faulted back in once per interval (no throughput lost that
+could be measured). Under a far faster churn (the runtime alone, flat out) ten seconds bounds
+RSS (peaks 820-835 MB against 986-996 untrimmed) without holding it level. Fixing glibc's
+mmap threshold instead (`MALLOC_MMAP_THRESHOLD_`) also held RSS flat but cost 19-25% of the
+model's throughput, every tensor over it then being mapped and unmapped at each use. Where the
+C library has no `malloc_trim` (not glibc) there is nothing to do.
 """
 
 from __future__ import annotations
