@@ -21,6 +21,8 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 _DELETE_OPS = frozenset({"DEL", "PURGE"})
+# How long the server keeps a finished key listing's consumer (it has no subscriber by then).
+KEYS_WATCH_INACTIVE_S = 5.0
 
 
 async def ensure_bucket(js: JetStreamContext, bucket: str, ttl_s: float | None = None) -> KeyValue:
@@ -52,12 +54,30 @@ async def read_value(kv: KeyValue, key: str, decode: Callable[[bytes], T]) -> T 
     return decode(entry.value) if entry.value else None
 
 
+async def list_keys(kv: KeyValue) -> list[str]:
+    """Every key in the bucket (none: an empty list).
+
+    Not nats.py's `kv.keys()`: its watch's consumer stays on the server for 5 minutes after the
+    call returns, so a caller that polls (`shoal status --watch`, a test waiting for a worker)
+    piles up hundreds of them until the server refuses new consumers ("maximum consumers
+    limit reached", seen in the test suite). This one is dropped seconds after it is done."""
+    watcher = await kv.watchall(
+        ignore_deletes=True, meta_only=True, inactive_threshold=KEYS_WATCH_INACTIVE_S
+    )
+    keys = []
+    try:
+        async for entry in watcher:
+            if entry is None:  # the bucket's current keys have all been seen
+                break
+            keys.append(entry.key)
+    finally:
+        await watcher.stop()
+    return keys
+
+
 async def read_all(kv: KeyValue, decode: Callable[[bytes], T]) -> list[T]:
     """Every non-empty value in the bucket, decoded (keys removed meanwhile are skipped)."""
-    try:
-        keys = await kv.keys()
-    except nats.js.errors.NoKeysError:
-        return []
+    keys = await list_keys(kv)
     values = []
     for key in keys:
         with contextlib.suppress(nats.js.errors.KeyNotFoundError):
