@@ -101,6 +101,10 @@ def test_deploy_use_undeploy_over_http(cluster):
     missing = httpx.delete(f"{url}/admin/models/http-model", headers=AUTH)
     assert missing.status_code == 404
     assert missing.json()["error"]["code"] == "model_not_found"
+    # No name at all (found by tests/test_fuzz.py: it was a 503 from an empty KV key).
+    nameless = httpx.delete(f"{url}/admin/models/", headers=AUTH)
+    assert nameless.status_code == 404, nameless.text
+    assert nameless.json()["error"]["code"] == "model_not_found"
 
 
 def test_admin_api_needs_the_token(cluster, gateway_url):

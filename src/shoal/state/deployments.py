@@ -162,6 +162,9 @@ async def ensure_models_kv(js: JetStreamContext) -> KeyValue:
 
 
 async def read_deployment(js: JetStreamContext, name: str) -> ModelSpec | None:
+    """The deployment named `name`, or None (also for "": no KV key is empty)."""
+    if not name:
+        return None
     return await read_value(await ensure_models_kv(js), name_token(name), decode_model_spec)
 
 
