@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from shoal.worker.heap import DEFAULT_TRIM_INTERVAL_S, trim_interval_s
+from shoal.worker.heap import start_heap_trimmer
 
 # A child that leaves ~190 MB of free chunks in glibc's main arena under one live chunk (so
 # glibc's own trim of the heap's top cannot return them), then starts the trimmer and reports
@@ -61,11 +61,6 @@ def test_without_the_trimmer_the_free_heap_stays_resident():
     assert after > before - 20, (before, after)
 
 
-def test_trim_interval_from_the_environment():
-    assert trim_interval_s({}) == DEFAULT_TRIM_INTERVAL_S
-    assert trim_interval_s({"SHOAL_MALLOC_TRIM_S": " 2.5 "}) == 2.5
-    assert trim_interval_s({"SHOAL_MALLOC_TRIM_S": "0"}) == 0
-    with pytest.raises(ValueError, match="SHOAL_MALLOC_TRIM_S"):
-        trim_interval_s({"SHOAL_MALLOC_TRIM_S": "often"})
+def test_a_negative_interval_is_refused():
     with pytest.raises(ValueError, match="negative"):
-        trim_interval_s({"SHOAL_MALLOC_TRIM_S": "-1"})
+        start_heap_trimmer(-1)

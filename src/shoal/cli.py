@@ -451,12 +451,12 @@ def _api_keys_mode(args: argparse.Namespace) -> str:
 def _worker(args: argparse.Namespace) -> int:
     import uvloop
 
-    from shoal.worker.heap import start_heap_trimmer
+    from shoal.worker.heap import DEFAULT_TRIM_INTERVAL_S, start_heap_trimmer
     from shoal.worker.sidecar import ModelLoadError, WorkerSidecar
 
     # A CPU model's batches of changing sizes fragment the C heap; trimming it keeps RSS flat.
     try:
-        start_heap_trimmer()
+        start_heap_trimmer(env_default("MALLOC_TRIM_S", DEFAULT_TRIM_INTERVAL_S))
     except ValueError as err:
         raise SystemExit(f"shoal worker: {err}") from None
     given = bool(args.model or args.model_json)

@@ -38,7 +38,7 @@ from shoal.config import GatewaySettings
 from shoal.gateway.admin import PREFIX as ADMIN_PREFIX
 from shoal.gateway.admin import check_token, handle_admin
 from shoal.gateway.auth import auth_for
-from shoal.gateway.committer import GroupCommitter, envelope_cap
+from shoal.gateway.committer import GroupCommitter
 from shoal.gateway.dashboard import DATA_PATH, PAGE_PATH, Dashboard
 from shoal.gateway.openapi import load_document
 from shoal.gateway.readiness import Readiness
@@ -60,7 +60,6 @@ from shoal.protocol import (
     encode_json,
     now_ms,
     reply_subject,
-    work_subject,
 )
 from shoal.state.deployments import ModelDirectory
 from shoal.state.idempotency import (
@@ -112,10 +111,12 @@ class Gateway:
         self.gateway_id = uuid.uuid4().hex[:12]
         self.metrics = GatewayMetrics()
         self.replies = ReplyRouter(reply_subject(self.gateway_id), self.metrics.dropped_replies.inc)
-        self.committer = GroupCommitter(self.replies.subject, self._publish)
         self.waiting = WaitingRequests(DISCONNECT_WATCH_AFTER_S)
         self.directory = ModelDirectory()
         self.readiness = Readiness(self.directory)
+        self.committer = GroupCommitter(
+            self.replies.subject, self._publish, self.readiness.smallest_budget
+        )
         # Done the moment the connection to NATS drops (a new one after each reconnect):
         # a publish waiting for its acknowledgement gives up then, instead of timing out.
         self._lost: asyncio.Future[None] | None = None
@@ -358,14 +359,13 @@ class Gateway:
         # Generation travels alone: its worker pulls as many requests as it has free slots.
         alone = endpoint in (Endpoint.COMPLETIONS, Endpoint.CHAT_COMPLETIONS)
         if len(request.body) <= INLINE_BODY_BYTES:
-            cap = envelope_cap(self.readiness.smallest_budget(model))
-            await self.committer.submit(work_subject(model), request, alone=alone, max_requests=cap)
+            await self.committer.submit(model, request, alone=alone)
             return
         # Too large for a work message on any NATS: the body waits beside the queue.
         await self._store_body(request)
         try:
             stored = msgspec.structs.replace(request, body=b"", body_key=request.request_id)
-            await self.committer.submit(work_subject(model), stored, alone=True)
+            await self.committer.submit(model, stored, alone=True)
         except BaseException:
             with contextlib.suppress(Exception):
                 await self._store().delete(request.request_id)

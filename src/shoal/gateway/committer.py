@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 
 from shoal.broker.bodies import INLINE_BODY_BYTES
-from shoal.protocol import WorkEnvelope, WorkRequest, encode_msgpack, now_ms
+from shoal.protocol import WorkEnvelope, WorkRequest, encode_msgpack, now_ms, work_subject
 
 MAX_REQUESTS_PER_ENVELOPE = 64
 # Well under NATS's default 1 MB max_payload, with room for the envelope's framing; a larger
@@ -33,48 +33,41 @@ MAX_ENVELOPE_BYTES = INLINE_BODY_BYTES
 
 # (subject, payload, envelope id) -> stored; raises to refuse every request in the envelope
 Publish = Callable[[str, bytes, str], Awaitable[None]]
+# model -> the smallest batch budget among the workers serving it (None: none reported yet)
+SmallestBudget = Callable[[str], int | None]
 
 
 class GroupCommitter:
     """One per gateway process; publishes envelopes on `reply_to`'s behalf."""
 
-    def __init__(self, reply_to: str, publish: Publish) -> None:
+    def __init__(self, reply_to: str, publish: Publish, smallest_budget: SmallestBudget) -> None:
         self._reply_to = reply_to
         self._publish = publish
-        self._pending: dict[str, list[tuple[WorkRequest, asyncio.Future[None]]]] = {}
+        self._smallest_budget = smallest_budget
+        self._pending: dict[str, list[tuple[WorkRequest, asyncio.Future[None]]]] = {}  # by model
         self._flushing: set[str] = set()
-        self._caps: dict[str, int] = {}  # by subject: the last envelope_cap it was given
         self._tasks: set[asyncio.Task[None]] = set()
 
-    async def submit(
-        self,
-        subject: str,
-        request: WorkRequest,
-        *,
-        alone: bool = False,
-        max_requests: int = MAX_REQUESTS_PER_ENVELOPE,
-    ) -> None:
-        """Queue one request; returns once JetStream has stored it (raises if it was not).
-
-        `max_requests` caps the envelopes this subject's requests go in from now on
-        (`envelope_cap`)."""
+    async def submit(self, model: str, request: WorkRequest, *, alone: bool = False) -> None:
+        """Queue one request for `model`; returns once JetStream has stored it (raises if it
+        was not)."""
         if alone:
-            await self._send(subject, [request])
+            await self._send(work_subject(model), [request])
             return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.setdefault(subject, []).append((request, future))
-        self._caps[subject] = max_requests
-        if subject not in self._flushing:
-            self._flushing.add(subject)
-            task = asyncio.create_task(self._flush(subject))
+        self._pending.setdefault(model, []).append((request, future))
+        if model not in self._flushing:
+            self._flushing.add(model)
+            task = asyncio.create_task(self._flush(model))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         await future
 
-    async def _flush(self, subject: str) -> None:
+    async def _flush(self, model: str) -> None:
+        subject = work_subject(model)
         try:
-            while pending := self._pending.get(subject):
-                taken = _take(pending, self._caps.get(subject, MAX_REQUESTS_PER_ENVELOPE))
+            while pending := self._pending.get(model):
+                taken = _take(pending, envelope_cap(self._smallest_budget(model)))
                 del pending[: len(taken)]
                 try:
                     await self._send(subject, [request for request, _ in taken])
@@ -87,9 +80,9 @@ class GroupCommitter:
                         if not future.done():
                             future.set_result(None)
         finally:
-            self._flushing.discard(subject)
-            if not self._pending.get(subject):
-                self._pending.pop(subject, None)
+            self._flushing.discard(model)
+            if not self._pending.get(model):
+                self._pending.pop(model, None)
 
     async def _send(self, subject: str, requests: list[WorkRequest]) -> None:
         envelope = WorkEnvelope(self._reply_to, now_ms(), requests)

@@ -35,26 +35,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
 import threading
+import time
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TRIM_INTERVAL_S = 10.0
-
-
-def trim_interval_s(environ: dict[str, str] | None = None) -> float:
-    """`SHOAL_MALLOC_TRIM_S`: seconds between trims, 0 for none."""
-    text = (environ if environ is not None else os.environ).get("SHOAL_MALLOC_TRIM_S", "")
-    if not text.strip():
-        return DEFAULT_TRIM_INTERVAL_S
-    try:
-        seconds = float(text)
-    except ValueError:
-        raise ValueError(f"SHOAL_MALLOC_TRIM_S={text!r} is not a number of seconds") from None
-    if seconds < 0:
-        raise ValueError(f"SHOAL_MALLOC_TRIM_S={text!r} is negative")
-    return seconds
 
 
 def _malloc_trim() -> ctypes._CFuncPtr | None:
@@ -69,21 +55,21 @@ def _malloc_trim() -> ctypes._CFuncPtr | None:
     return trim
 
 
-def start_heap_trimmer(interval_s: float | None = None) -> threading.Thread | None:
-    """Start the daemon thread that trims the heap every `interval_s` (default: from the
-    environment); None when trimming is off or unavailable."""
-    interval = trim_interval_s() if interval_s is None else interval_s
-    trim = _malloc_trim() if interval > 0 else None
+def start_heap_trimmer(interval_s: float) -> threading.Thread | None:
+    """Start the daemon thread that trims the heap every `interval_s` seconds (0: none; it
+    lives as long as the process); None when trimming is off or unavailable."""
+    if interval_s < 0:
+        raise ValueError(f"SHOAL_MALLOC_TRIM_S={interval_s:g} is negative")
+    trim = _malloc_trim() if interval_s > 0 else None
     if trim is None:
         return None
 
     def run() -> None:
         while True:
-            halt.wait(interval)
+            time.sleep(interval_s)
             trim(0)
 
-    halt = threading.Event()  # never set: the thread lives as long as the process
     thread = threading.Thread(target=run, name="shoal-heap-trim", daemon=True)
     thread.start()
-    log.debug("trimming the C heap every %g s", interval)
+    log.debug("trimming the C heap every %g s", interval_s)
     return thread

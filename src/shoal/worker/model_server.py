@@ -204,7 +204,6 @@ class ModelServer:
                 self.worker_id,
                 settings.max_batch_tokens,
                 settings.latency_targets,
-                engine=True,
             )
         except Exception as err:  # e.g. an engine that serves chat only: no completions
             log.warning(

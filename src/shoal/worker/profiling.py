@@ -56,6 +56,7 @@ from shoal.runtimes.base import (
     SamplingParams,
     ScoringRuntime,
 )
+from shoal.runtimes.registry import runtime_record
 from shoal.state.profiles import (
     BatchProfile,
     claim_profile,
@@ -280,8 +281,9 @@ async def profile_engine(
     generate = task is Task.GENERATE
     if generate:
         endpoint = Endpoint.COMPLETIONS.value
-        body = {"prompt": _PROFILE_TEXT.format(i=0), "max_tokens": ENGINE_PROFILE_TOKENS}
-        body["temperature"] = 0.0  # greedy: every request the same length
+        prompt = _PROFILE_TEXT.format(i=0)
+        # Greedy: every request the same length.
+        body = {"prompt": prompt, "max_tokens": ENGINE_PROFILE_TOKENS, "temperature": 0.0}
     else:
         endpoint, body = Endpoint.EMBEDDINGS.value, {"input": _PROFILE_TEXT.format(i=0)}
     request = encode_json({**body, "model": engine.served_model})
@@ -359,14 +361,9 @@ async def tuned_budget(
     worker_id: str,
     max_batch_tokens: int,
     targets: LatencyTargets,
-    *,
-    engine: bool = False,
 ) -> BatchBudget:
-    """The model's batch budget from its stored profile, profiling first if there is none.
-
-    `engine`: the runtime is an inference server child, profiled over HTTP for the relay's
-    concurrency (`profile_engine`).
-    """
+    """The model's batch budget from its stored profile, profiling first if there is none
+    (an engine's: the relay's concurrency, `profile_engine`)."""
     kv = await ensure_profiles_kv(js)
     hardware = hardware_fingerprint()
     key = profile_key(spec, hardware)
@@ -380,7 +377,7 @@ async def tuned_budget(
         await asyncio.sleep(0.5)  # another worker is profiling this model: wait for it
     try:
         return await measure_and_store(
-            kv, key, spec, runtime, executor, worker_id, max_batch_tokens, targets, engine=engine
+            kv, key, spec, runtime, executor, worker_id, max_batch_tokens, targets
         )
     except BaseException:
         # Drop the claim: the other workers would wait WAIT_FOR_OTHER_S for a profile that
@@ -416,12 +413,10 @@ async def measure_and_store(
     worker_id: str,
     max_batch_tokens: int,
     targets: LatencyTargets,
-    *,
-    engine: bool = False,
 ) -> BatchBudget:
     """Profile the runtime in the executor (an engine: over HTTP, in the event loop), store
     the profile under `key`, return the budget."""
-    if engine:
+    if runtime_record(spec.runtime).engine:
         target = targets.token_s if spec.task is Task.GENERATE else targets.batch_s
         measured = await profile_engine(runtime, spec.task, target)  # type: ignore[arg-type]
     else:
