@@ -11,9 +11,27 @@ a worker holding fewer items than the batch's "knee" waits for more, within boun
 - The knee is the smallest batch whose cost per item is within `KNEE_TOLERANCE` of the
   budget-sized batch's: past it, a larger batch saves little. A curve with no fixed cost has
   its knee at 1, so such a runtime never waits.
+- It waits only while the fixed cost dominates the batch it would run now: `fixed >=
+  per_item x held`, and then for at most the knee or the first size past `fixed / per_item`,
+  whichever is smaller. A wait buys idle device time, never latency: with items arriving at
+  a rate r, batches that wait w each settle at n = r x (fixed + w) / (1 - r x per_item), so
+  the cycle between batches grows by w / (1 - r x per_item) and the device's idle share
+  becomes (1 - r x per_item) x w / (fixed + w). Both turn on r x per_item, the device's
+  share spent on the items themselves, which is what the batch now tells: an eager worker's
+  batches in a steady state spend that same share on their items (per_item x n / (fixed +
+  per_item x n) = r x per_item). So the rule waits where at most half the device goes to the
+  items: there a wait of w lengthens the cycle by at most 2w and keeps the device idle for at
+  least half of w / (fixed + w) (a GPU's launch and weight reads, the simulator's
+  `batch_ms`: on the simulated 100 ms + ~2 ms/item device it waits at every held count
+  below the knee); and not where the items dominate, where each ms of wait costs the queue
+  more and idles the device less: all-MiniLM-L6-v2 on this 2-core CPU measured fixed ~9 ms
+  and ~1.75 ms an item in service, and at half load its batches of ~6 are past fixed /
+  per_item ~ 5, so a wait there only lengthened the queue (p99 130 against 90 ms with the
+  wait off, before this rule; docs/benchmarks.md). The knee alone cannot tell the two
+  apart: its 10% of per-item cost asked that CPU for batches of 35.
 - It never waits when what it holds reaches the knee (or the token budget), and it waits at
   most one fixed cost (a longer wait cannot save more than the fixed cost it amortizes),
-  never so long that the knee batch would end past the batch latency target.
+  never so long that the batch it waits for would end past the batch latency target.
 - The bound shrinks with the load: at most `fixed x sqrt(1 - load)`, where load is the share
   of the device's capacity (a full batch's items per second, from the curve) that the items
   this worker ran lately used. Near capacity a wait buys little headroom and adds up to its
@@ -127,15 +145,29 @@ def plan_wait(
     fit: CostFit | None, held: int, budget: int, latency_target_s: float, load: float = 0.0
 ) -> WaitPlan:
     """How long to wait for a fuller batch, holding `held` items, with a budget of `budget`,
-    the device's recent `load` (0..1, `LoadMeter.load`) given."""
+    the device's recent `load` (0..1, `LoadMeter.load`) given.
+
+    It waits only while the fixed cost dominates the batch it would run now (`fixed >=
+    per_item x held`), for the knee or the first size past `fixed / per_item`, whichever is
+    smaller (module docstring)."""
     if fit is None or budget <= 1 or held >= budget or fit.fixed_s <= 0:
         return WaitPlan(held, 0.0)
-    knee = knee_items(fit, budget)
-    if held >= knee:
+    if fit.fixed_s < fit.per_item_s * held:
+        return WaitPlan(held, 0.0)  # the items' own cost dominates: a wait lengthens the queue
+    target = min(knee_items(fit, budget), fixed_dominated_items(fit, budget) + 1)
+    if held >= target:
         return WaitPlan(held, 0.0)
     spare = math.sqrt(1.0 - min(1.0, max(0.0, load)))
-    longest = min(fit.fixed_s * spare, latency_target_s - fit.seconds(knee))
-    return WaitPlan(knee, max(0.0, longest))
+    longest = min(fit.fixed_s * spare, latency_target_s - fit.seconds(target))
+    return WaitPlan(target, max(0.0, longest))
+
+
+def fixed_dominated_items(fit: CostFit, budget: int) -> int:
+    """The largest batch whose fixed cost is at least its items' cost (`budget` when every
+    batch's is: a curve with no per-item cost)."""
+    if fit.per_item_s <= 0:
+        return budget
+    return min(budget, math.floor(fit.fixed_s / fit.per_item_s))
 
 
 def knee_items(fit: CostFit, budget: int) -> int:
