@@ -98,6 +98,15 @@ class UpCluster:
         """Each worker process's /metrics, once (a worker reports once per model it holds)."""
         return sorted({status.metrics_url for status in self.worker_statuses()})
 
+    def reported_metrics_urls(self, timeout: float = 20.0) -> list[str]:
+        """`metrics_urls`, waiting up to `timeout` for the first worker's status report."""
+        deadline = time.monotonic() + timeout
+        while not (urls := self.metrics_urls()) and time.monotonic() < deadline:
+            time.sleep(0.25)  # a worker reports once a second
+        if not urls:
+            raise RuntimeError(f"no worker reported within {timeout:g} s")
+        return urls
+
     def batch_totals(self) -> tuple[float, float]:
         """(items, batches) run so far by all workers, from their /metrics."""
         import httpx

@@ -75,16 +75,6 @@ def component_pids(up: UpCluster) -> dict[str, list[int]]:
     return pids
 
 
-def worker_metrics_urls(up: UpCluster, timeout: float = 20.0) -> list[str]:
-    """The worker's /metrics URL, once its first status report is in the KV bucket."""
-    deadline = time.monotonic() + timeout
-    while not (urls := up.metrics_urls()) and time.monotonic() < deadline:
-        time.sleep(0.25)  # a worker reports once a second
-    if not urls:
-        raise RuntimeError(f"no worker reported within {timeout:g} s")
-    return urls
-
-
 def measure(up: UpCluster, urls: list[str], args: argparse.Namespace, seconds: float) -> dict:
     """One measured window of wrk load: throughput, the device's figures, CPU per request."""
     before = scrape(urls)
@@ -265,7 +255,7 @@ def main() -> None:
     budget = ["--max-batch-items", str(args.budget), "--max-batch-tokens", str(64 * args.budget)]
     cluster = ["--workers", "1", "--gateways", str(args.gateways)]
     with UpCluster("--model", MODEL, *options, *budget, *cluster) as up:
-        urls = worker_metrics_urls(up)
+        urls = up.reported_metrics_urls()
         run_wrk(up.url, MODEL, args.connections, args.warmup)  # connections, first batches
         rounds = [measure(up, urls, args, args.seconds) for _ in range(args.rounds)]
         profiles = profile(up, urls, args) if args.profile else None

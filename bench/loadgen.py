@@ -314,6 +314,9 @@ def run_load(spec: LoadSpec) -> LoadResult:
         mean_ms=1000 * (sum(latencies) / len(latencies) if latencies else 0.0),
         client_cpu_s=cpu,
         client_cores=cpu / wall if wall > 0 else 0.0,
+        # Open loop: fewer answers inside the window than arrivals (beyond those still in
+        # flight at its end) is a queue that grew: a rate over what the server keeps up with.
+        extra={"ok_in_window": float(run.ok_in_window)},
         samples=run.samples,
     )
 

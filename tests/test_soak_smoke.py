@@ -21,6 +21,7 @@ def test_short_soak_answers_everything_and_samples_memory(tmp_path: Path):
     command = [sys.executable, "-m", "bench.soak", "--model", "sim-embed", "--minutes", "0.25"]
     command += ["--window-s", "5", "--saturation-s", "3", "--load", "0.5", "--out", str(out)]
     command += ["--saturation-warmup-s", "2", "--saturation-windows", "2"]
+    command += ["--capacity-s", "3", "--capacity-steps", "2"]
     command += ["--nats-diag", "4"]
     # The verdict's memory bound is not asserted here: seconds are too few to judge growth.
     subprocess.run(
@@ -32,12 +33,21 @@ def test_short_soak_answers_everything_and_samples_memory(tmp_path: Path):
     )
     result = json.loads(out.read_text())
     assert len(result["windows"]) == 3
-    assert result["saturation_rps"] > 0 and result["offered_rps"] > 0
-    # The probe's windows are kept, and the rate offered is their median's fraction.
-    assert len(result["saturation_windows_rps"]) == 2
+    closed = result["closed_loop_rps"]
+    assert closed > 0 and len(result["saturation_windows_rps"]) == 2
+    # Saturation is bisected with open-loop probes between half the closed-loop rate and all
+    # of it: the second probe went up from the first if it kept up, down if it fell behind;
+    # saturation is the highest rate kept up with (the lower bound if none was), and the rate
+    # offered is --load of it.
+    first, second = result["capacity_probes"]
+    assert first["offered_rps"] == pytest.approx(0.75 * closed)
+    assert second["offered_rps"] == pytest.approx((0.875 if first["kept_up"] else 0.625) * closed)
+    kept = [p["offered_rps"] for p in (first, second) if p["kept_up"]]
+    assert result["saturation_rps"] == pytest.approx(max(kept, default=0.5 * closed))
     assert result["offered_rps"] == pytest.approx(0.5 * result["saturation_rps"])
+    assert all(0 < p["busy"] <= 1 for p in (first, second))
     assert result["errors"] == 0 and result["lost"] == 0
-    assert all(w["p99_ms"] > 0 for w in result["windows"])
+    assert all(w["p99_ms"] > 0 and 0 < w["busy"] <= 1 for w in result["windows"])
     for component in ("gateway", "worker", "nats"):
         assert result["rss_final_mb"][component] > 10, result["rss_final_mb"]
         assert result["rss_peak_after_warmup_mb"][component] >= result["rss_final_mb"][component]
