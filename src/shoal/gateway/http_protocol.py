@@ -28,6 +28,12 @@ from shoal.config import HttpTimeouts
 # nginx allows 4 x 8 KiB of headers and Node.js 16 KiB; a request's headers here are a few
 # hundred bytes (an API key, a content type).
 MAX_HEADER_BYTES = 64 * 1024
+# After answering a request it did not read whole (431, 408, 400), the connection stops
+# writing and discards what still comes in, and closes when the client does or after this
+# long. Closing at once with unread bytes in the socket makes the kernel send a reset, which
+# can destroy the answer before the client reads it (a 431 to a client still sending 200 KiB
+# of headers was lost that way, tests/test_hostile.py); nginx's "lingering close".
+LINGER_S = 2.0
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -59,6 +65,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._reading is _Reading.CLOSING:
+            return  # answered and closing: the rest of a request nobody will read
         if self._reading is _Reading.IDLE:  # its first bytes: no longer idle
             self._disarm_timer()
             self._reading = _Reading.HEADERS
@@ -141,14 +149,25 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             b"connection: close\r\n\r\n",
         ]
         cycle = self.cycle
-        if cycle is None or cycle.response_complete:
-            self.transport.write(b"".join(head) + body)
-        elif not cycle.response_started:
+        if cycle is not None and cycle.response_started and not cycle.response_complete:
+            self.transport.close()  # a response is half out: only closing tells the client
+            return
+        if cycle is not None and not cycle.response_complete:
             # The app is still reading this request's (broken) body: it answers nobody now.
             cycle.disconnected = True
-            self.transport.write(b"".join(head) + body)
-        # else a response is half out: only closing tells the client it is cut off.
-        self.transport.close()
+        self.transport.write(b"".join(head) + body)
+        self._close_lingering()
+
+    def _close_lingering(self) -> None:
+        """Send what was written and a FIN, discard what still arrives, close within
+        LINGER_S (at once where the transport cannot half-close)."""
+        self._disarm_timer()
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self._reading = _Reading.CLOSING
+        self.transport.write_eof()
+        self._timer = self.loop.call_later(LINGER_S, self.transport.close)
 
 
 def protocol_factory(timeouts: HttpTimeouts) -> Any:
@@ -165,3 +184,4 @@ class _Reading(Enum):
     HEADERS = 1
     BODY = 2
     DONE = 3  # the whole request is in; a keep-alive connection waits for the next
+    CLOSING = 4  # answered with an error and half-closed: the client's bytes are discarded
