@@ -58,7 +58,7 @@ from pathlib import Path
 
 from bench.fleet_metrics import WindowFigures, scrape, window
 from bench.harness import UpCluster, component_tree, machine_facts, write_result
-from bench.loadgen import LoadSpec, run_load
+from bench.loadgen import LoadResult, LoadSpec, run_load
 from bench.nats_diag import NatsDiagnostics
 from shoal.config import QueueSettings
 
@@ -160,8 +160,8 @@ def closed_loop_median(
     return statistics.median(rates), rates
 
 
-def measured_window(up: UpCluster, urls: list[str], spec: LoadSpec) -> tuple:
-    """One load run and what the workers did during it: (LoadResult, WindowFigures)."""
+def measured_window(urls: list[str], spec: LoadSpec) -> tuple[LoadResult, WindowFigures]:
+    """One load run and what the workers did during it."""
     before, started = scrape(urls), time.monotonic()
     result = run_load(spec)
     return result, window(before, scrape(urls), time.monotonic() - started)
@@ -178,7 +178,7 @@ def open_loop_capacity(
         spec = LoadSpec(
             url=up.url, model=model, mode="open", rate=rate, seconds=seconds, seed=1000 + index
         )
-        result, device = measured_window(up, urls, spec)
+        result, device = measured_window(urls, spec)
         share = result.extra["ok_in_window"] / max(1, result.sent)
         kept_up = share >= SUSTAINED_SHARE
         probes.append(
@@ -245,7 +245,7 @@ def soak(args: argparse.Namespace) -> dict:
                 seconds=args.window_s,
                 seed=index + 1,
             )
-            result, device = measured_window(up, urls, spec)
+            result, device = measured_window(urls, spec)
             ends.append(time.monotonic() - started)
             results.append(result)
             devices.append(device)
