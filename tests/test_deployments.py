@@ -105,6 +105,10 @@ def test_deploy_use_undeploy_over_http(cluster):
     nameless = httpx.delete(f"{url}/admin/models/", headers=AUTH)
     assert nameless.status_code == 404, nameless.text
     assert nameless.json()["error"]["code"] == "model_not_found"
+    # An unknown model with an empty runtime (found by tests/test_fuzz.py: it was a 500).
+    empty = httpx.put(f"{url}/admin/models/fuzzed", json={"runtime": ""}, headers=AUTH)
+    assert empty.status_code == 400, empty.text
+    assert empty.json()["error"]["code"] == "invalid_deployment"
 
 
 def test_admin_api_needs_the_token(cluster, gateway_url):

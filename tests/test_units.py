@@ -143,6 +143,9 @@ def test_api_error_body_is_openai_shaped():
 def test_resolve_model_needs_a_runtime_for_unknown_names():
     with pytest.raises(ValueError, match="give --runtime"):
         resolve_model("my-model")
+    # An empty runtime (a deploy request's `"runtime": ""`) is none, not an AttributeError.
+    with pytest.raises(ValueError, match="give --runtime"):
+        resolve_model("my-model", runtime="")
     spec = resolve_model("sim-embed", options={"batch_ms": 7})
     assert spec.runtime == "sim" and spec.options["batch_ms"] == 7
 

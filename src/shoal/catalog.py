@@ -56,7 +56,7 @@ def resolve_model(
 ) -> ModelSpec:
     """The spec for `name`: a built-in one with overrides, or a new one from the overrides."""
     base = BUILTIN_MODELS.get(name)
-    if base is None and runtime is None:
+    if base is None and not runtime:  # None, or "" from a deploy request's JSON
         known = ", ".join(sorted(BUILTIN_MODELS))
         raise ValueError(
             f"unknown model {name!r}: give --runtime (and --source), or one of {known}"
