@@ -17,8 +17,9 @@ windows of `--capacity-s`) between half the closed-loop rate and all of it. A ra
 with when at least `SUSTAINED_SHARE` of a window's arrivals are answered inside the window (a
 queue that grows leaves more than that unanswered at its end). Why not the closed-loop rate:
 64 connections keep 64 requests waiting, so the worker always runs full batches; random
-arrivals leave it smaller ones that cost more per item on a CPU model (a fixed ~12 ms a batch
-for the default model here), and the open-loop client costs the two cores more. At 0.8 of the
+arrivals leave it smaller ones that cost more per item on a CPU model (the default model here:
+~9 ms a batch besides ~1.75 ms an item, measured in service; docs/benchmarks.md), and the
+open-loop client costs the two cores more. At 0.8 of the
 closed-loop rate the worker was 95-99% busy, and every burst built a queue that took seconds
 to drain: a soak of a saturated cluster, not of one at 80%. `--saturation closed` uses the
 closed-loop rate (the old definition). Every window reports the worker's busy fraction and mean

@@ -152,8 +152,7 @@ def plan_wait(
     smaller (module docstring)."""
     if fit is None or budget <= 1 or held >= budget or fit.fixed_s <= 0:
         return WaitPlan(held, 0.0)
-    if fit.fixed_s < fit.per_item_s * held:
-        return WaitPlan(held, 0.0)  # the items' own cost dominates: a wait lengthens the queue
+    # Holding more than fixed_dominated_items, the items' own cost dominates: held >= target.
     target = min(knee_items(fit, budget), fixed_dominated_items(fit, budget) + 1)
     if held >= target:
         return WaitPlan(held, 0.0)
