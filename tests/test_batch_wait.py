@@ -14,7 +14,14 @@ import httpx
 import pytest
 from conftest import wait_until, worker_status
 
-from shoal.worker.batch_wait import CostCurve, CostFit, LoadMeter, knee_items, plan_wait
+from shoal.worker.batch_wait import (
+    CostCurve,
+    CostFit,
+    LoadMeter,
+    items_share,
+    knee_items,
+    plan_wait,
+)
 
 
 def test_knee_of_a_fixed_cost_curve():
@@ -38,11 +45,8 @@ def test_never_waits_when_waiting_cannot_pay():
 def test_wait_stays_within_the_latency_target():
     fit = CostFit(fixed_s=0.5, per_item_s=0.01)
     knee = knee_items(fit, 64)
-    assert knee == 53
-    # Past 50 items the items' cost (0.01 x n) outweighs the fixed cost: the wait is for 51.
-    assert plan_wait(fit, held=1, budget=64, latency_target_s=2.0).target_items == 51
-    assert fit.seconds(51) == pytest.approx(1.01)
-    for target, wait in ((2.0, 0.5), (1.2, 0.19), (1.0, 0.0)):
+    assert fit.seconds(knee) == pytest.approx(1.03)
+    for target, wait in ((2.0, 0.5), (1.2, 0.17), (1.0, 0.0)):
         plan = plan_wait(fit, held=1, budget=64, latency_target_s=target)
         assert plan.max_wait_s == pytest.approx(wait)
         # A wait never pushes the end of the batch it waits for past the target.
@@ -52,21 +56,30 @@ def test_wait_stays_within_the_latency_target():
         )
 
 
-def test_waits_only_while_the_fixed_cost_dominates_the_batch_it_would_run():
+def test_waits_for_the_knee_only_while_the_items_take_at_most_half_the_device():
     # all-MiniLM-L6-v2 on torch, 2 CPU threads, as fitted in service at half load (9 ms a
-    # batch, 1.75 ms an item; budget 128): the knee is 36, yet batches of 6 (an eager
-    # worker's at that load) already spend more on their items than on the fixed cost.
+    # batch, 1.75 ms an item; budget 128; the load meter read 0.65-0.69 there): the items
+    # take ~0.67 of the device, so it waits only while the batch held is fixed-cost
+    # dominated (below fixed / per_item, 5.03), for 6 at most, not for the knee of 36.
     cpu = CostFit(fixed_s=0.0088, per_item_s=0.00175)
     assert knee_items(cpu, 128) == 36
+    assert items_share(cpu, 128, 0.7) == pytest.approx(0.673, abs=1e-3)
     for held in (6, 8, 20):
-        assert plan_wait(cpu, held, budget=128, latency_target_s=1.0, load=0.5).max_wait_s == 0
-    # Holding fewer than fixed / per_item (5.03) it may wait, for 6 at most, not the knee.
-    lone = plan_wait(cpu, held=1, budget=128, latency_target_s=1.0, load=0.5)
+        assert plan_wait(cpu, held, budget=128, latency_target_s=1.0, load=0.7).max_wait_s == 0
+    lone = plan_wait(cpu, held=1, budget=128, latency_target_s=1.0, load=0.7)
     assert lone.target_items == 6
-    assert lone.max_wait_s == pytest.approx(0.0088 * 0.5**0.5)
-    assert plan_wait(cpu, held=5, budget=128, latency_target_s=1.0).target_items == 6
-    # A GPU-like curve (the simulated 100 ms device, ~1.9 ms an item, budget 32): the fixed
-    # cost dominates every batch below the knee, so it waits for the knee from any count.
+    assert lone.max_wait_s == pytest.approx(0.0088 * 0.3**0.5)
+    # The same curve at a third of that rate leaves the device mostly to the fixed cost.
+    assert plan_wait(cpu, held=8, budget=128, latency_target_s=1.0, load=0.3).target_items == 36
+    # The GPU-like hot-path device (1 ms + 34 us an item, budget 256) under a closed loop of
+    # many connections: it holds 105, well past fixed / per_item (29), yet the items take
+    # only ~0.36 of its time, so it still waits for the knee (stopping at 30 cost 5-9% of
+    # the hot path's throughput).
+    hot = CostFit(fixed_s=0.001, per_item_s=0.000034)
+    assert items_share(hot, 256, 0.4) == pytest.approx(0.36, abs=0.01)
+    plan = plan_wait(hot, held=105, budget=256, latency_target_s=1.0, load=0.4)
+    assert plan.target_items == knee_items(hot, 256) > 105 and plan.max_wait_s > 0
+    # The simulated 100 ms device (~1.9 ms an item, budget 32): waits for the knee.
     gpu = CostFit(fixed_s=0.100, per_item_s=0.0019)
     assert knee_items(gpu, 32) == 28
     for held in (1, 12, 27):
@@ -74,11 +87,6 @@ def test_waits_only_while_the_fixed_cost_dominates_the_batch_it_would_run():
         assert plan.target_items == 28
         assert plan.max_wait_s == pytest.approx(0.100 * 0.5**0.5)
     assert plan_wait(gpu, held=28, budget=32, latency_target_s=1.0, load=0.5).max_wait_s == 0
-    # No per-item cost: every batch is fixed-cost dominated, the knee decides.
-    flat = CostFit(fixed_s=0.05, per_item_s=0.0)
-    assert plan_wait(flat, held=3, budget=64, latency_target_s=1.0).target_items == knee_items(
-        flat, 64
-    )
 
 
 def test_curve_is_fitted_from_measured_batches():

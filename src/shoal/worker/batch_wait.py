@@ -11,24 +11,23 @@ a worker holding fewer items than the batch's "knee" waits for more, within boun
 - The knee is the smallest batch whose cost per item is within `KNEE_TOLERANCE` of the
   budget-sized batch's: past it, a larger batch saves little. A curve with no fixed cost has
   its knee at 1, so such a runtime never waits.
-- It waits only while the fixed cost dominates the batch it would run now: `fixed >=
-  per_item x held`, and then for at most the knee or the first size past `fixed / per_item`,
-  whichever is smaller. A wait buys idle device time, never latency: with items arriving at
-  a rate r, batches that wait w each settle at n = r x (fixed + w) / (1 - r x per_item), so
-  the cycle between batches grows by w / (1 - r x per_item) and the device's idle share
-  becomes (1 - r x per_item) x w / (fixed + w). Both turn on r x per_item, the device's
-  share spent on the items themselves, which is what the batch now tells: an eager worker's
-  batches in a steady state spend that same share on their items (per_item x n / (fixed +
-  per_item x n) = r x per_item). So the rule waits where at most half the device goes to the
-  items: there a wait of w lengthens the cycle by at most 2w and keeps the device idle for at
-  least half of w / (fixed + w) (a GPU's launch and weight reads, the simulator's
-  `batch_ms`: on the simulated 100 ms + ~2 ms/item device it waits at every held count
-  below the knee); and not where the items dominate, where each ms of wait costs the queue
-  more and idles the device less: all-MiniLM-L6-v2 on this 2-core CPU measured fixed ~9 ms
-  and ~1.75 ms an item in service, and at half load its batches of ~6 are past fixed /
-  per_item ~ 5, so a wait there only lengthened the queue (p99 130 against 90 ms with the
-  wait off, before this rule; docs/benchmarks.md). The knee alone cannot tell the two
-  apart: its 10% of per-item cost asked that CPU for batches of 35.
+- It waits for the knee only while the fixed cost dominates the device's time: while the items
+  arriving now would take at most half of it (r x per_item <= 1/2, r the rate the load meter
+  measured). Otherwise it waits only while the batch it holds is fixed-cost dominated (`held
+  <= fixed / per_item`), for the first size past that at most. A wait buys idle device time,
+  never latency: with items arriving at a rate r, batches that wait w each settle at n = r x
+  (fixed + w) / (1 - r x per_item), so the cycle between batches grows by w / (1 - r x
+  per_item) and the device's idle share becomes (1 - r x per_item) x w / (fixed + w): where
+  r x per_item <= 1/2 a wait lengthens the cycle by at most 2w and keeps the device idle for
+  at least half of w / (fixed + w) (a GPU's launch and weight reads, the simulator's
+  `batch_ms`); where the items dominate, each ms of wait costs the queue more and idles the
+  device less: all-MiniLM-L6-v2 on this 2-core CPU measured fixed ~9 ms and ~1.75 ms an item
+  in service, and at half load (r x per_item ~0.5-0.66 by its meter) waiting for its knee of
+  35 only lengthened the queue (p99 130 against 90 ms with the wait off; docs/benchmarks.md).
+  The rate, not the batch held, decides first: a closed loop of many connections keeps large
+  batches waiting whatever the rate, and on the GPU-like hot-path device (1 ms + ~34 us an
+  item, r x per_item ~0.36) stopping at `fixed / per_item` (30) instead of the knee (130)
+  cost 5-9% of its throughput (bench.hotpath).
 - It never waits when what it holds reaches the knee (or the token budget), and it waits at
   most one fixed cost (a longer wait cannot save more than the fixed cost it amortizes),
   never so long that the batch it waits for would end past the batch latency target.
@@ -51,6 +50,9 @@ from collections import deque
 from dataclasses import dataclass
 
 KNEE_TOLERANCE = 0.10
+# Past this share of the device's time going to the items themselves, a wait for the knee
+# lengthens the queue more than it idles the device (module docstring).
+MAX_ITEMS_SHARE = 0.5
 WINDOW = 64  # recent batches the curve is fitted on
 MIN_SAMPLES = 8
 # The load's memory: a change of load shows within a few seconds, on any device.
@@ -147,18 +149,26 @@ def plan_wait(
     """How long to wait for a fuller batch, holding `held` items, with a budget of `budget`,
     the device's recent `load` (0..1, `LoadMeter.load`) given.
 
-    It waits only while the fixed cost dominates the batch it would run now (`fixed >=
-    per_item x held`), for the knee or the first size past `fixed / per_item`, whichever is
-    smaller (module docstring)."""
+    It waits for the knee while the items arriving now take at most half the device's time,
+    and otherwise only while the batch held is fixed-cost dominated, for the first size past
+    `fixed / per_item` at most (module docstring)."""
     if fit is None or budget <= 1 or held >= budget or fit.fixed_s <= 0:
         return WaitPlan(held, 0.0)
-    # Holding more than fixed_dominated_items, the items' own cost dominates: held >= target.
-    target = min(knee_items(fit, budget), fixed_dominated_items(fit, budget) + 1)
+    target = knee_items(fit, budget)
+    if items_share(fit, budget, load) > MAX_ITEMS_SHARE:
+        target = min(target, fixed_dominated_items(fit, budget) + 1)
     if held >= target:
         return WaitPlan(held, 0.0)
     spare = math.sqrt(1.0 - min(1.0, max(0.0, load)))
     longest = min(fit.fixed_s * spare, latency_target_s - fit.seconds(target))
     return WaitPlan(target, max(0.0, longest))
+
+
+def items_share(fit: CostFit, budget: int, load: float) -> float:
+    """r x per_item: the share of the device's time the items arriving now take, from the
+    load (a share of the capacity at full batches, `LoadMeter.load`)."""
+    capacity = budget / fit.seconds(budget)
+    return load * capacity * fit.per_item_s
 
 
 def fixed_dominated_items(fit: CostFit, budget: int) -> int:
