@@ -2,7 +2,8 @@
 before it runs, so a burst of abandoned requests never makes a live one wait.
 
 Real processes: nats-server, a gateway, a simulated worker; the abandoning clients are raw
-TCP connections that send a request and close without reading the answer.
+TCP connections that send a request and close without reading the answer. The last test drives
+the generation scheduler alone (real NATS, simulated runtime) to hit one race on purpose.
 """
 
 from __future__ import annotations
@@ -10,11 +11,23 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import nats.errors
+import pytest
 from conftest import worker_status
 
+from shoal.broker.connection import connect
+from shoal.config import WorkerSettings
+from shoal.observability.metrics import BusyMeter, WorkerMetrics
+from shoal.protocol import Endpoint, now_ms
+from shoal.runtimes.sim_generate import SimGenerationRuntime
 from shoal.state.workers import WorkerState
+from shoal.worker.items import WorkItem
+from shoal.worker.outbox import Outbox
+from shoal.worker.schedulers.base import SchedulerContext
+from shoal.worker.schedulers.continuous import ContinuousScheduler
 
 ABANDONED = 2000
 
@@ -108,3 +121,49 @@ def test_abandoned_generations_stop_and_are_dropped_whatever_the_timing(nats_ser
     assert _items(metrics, model, "499") == abandoned
     assert _items(metrics, model, "200") == 1
     assert status.tokens_generated < slots * 60  # ~0.5 s of 4 slots, plus the live 8
+
+
+def test_a_cancel_during_a_requests_first_step_ends_it(nats_server):
+    """The scheduler alone, on a real NATS connection and the simulated runtime: a cancel that
+    arrives while a request's first decode step runs finds it neither pending nor running, and
+    must still end it before its next step (the race test above hits this 1 time in ~3)."""
+    asyncio.run(_cancel_during_first_step(nats_server.url))
+
+
+async def _cancel_during_first_step(url: str) -> None:
+    nc = await connect(url, name="cancel-race")
+    answers = await nc.subscribe("test.cancel-race.replies")
+    metrics = WorkerMetrics("sim-race", "sim", simulated=True)
+    ctx = SchedulerContext(
+        settings=WorkerSettings(nats_url=url),
+        outbox=Outbox(nc, metrics),
+        executor=ThreadPoolExecutor(1),
+        metrics=metrics,
+        busy=BusyMeter(),
+    )
+    scheduler = ContinuousScheduler(ctx, SimGenerationRuntime("sim-race", {"step_ms": 100}))
+    running = asyncio.create_task(scheduler.run())
+    try:
+        sent = now_ms()
+        body = b'{"model": "sim-race", "prompt": "abandoned", "max_tokens": 50}'
+        item = WorkItem(
+            None, "race-1", answers.subject, sent + 60_000, sent, 1, Endpoint.COMPLETIONS, body
+        )
+        scheduler.accept(item)
+        # Admitted and in its first step: held neither as pending nor as running.
+        deadline = time.monotonic() + 5
+        while scheduler.held() and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
+        assert not scheduler.held()
+        scheduler.cancel("race-1")
+        await asyncio.sleep(0.5)  # 5 steps: 50 tokens would take 5 s
+        assert ctx.counters.cancelled == 1
+        assert ctx.counters.tokens_generated <= 2
+        assert not scheduler.held()
+        with pytest.raises(nats.errors.TimeoutError):  # a cancelled request is not answered
+            await answers.next_msg(timeout=0.2)
+    finally:
+        scheduler.stop_accepting()
+        await asyncio.wait_for(running, 5)
+        ctx.executor.shutdown()
+        await nc.close()

@@ -167,6 +167,11 @@ class ContinuousScheduler(SchedulerBase):
                 assembler=TextAssembler(admission.stops),
             )
             self._active[admission.slot] = sequence
+            # A cancel that came while its first step ran found it neither pending nor active:
+            # it was remembered, and is met here (ended before the next step).
+            sequence.cancelled = self._take_cancel(item)
+            if sequence.cancelled:
+                continue
             if item.stream and (first := sequence.encoder.first_chunk()) is not None:
                 await self._send_chunk(sequence, first)
         self._report_running()
