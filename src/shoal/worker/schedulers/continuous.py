@@ -82,6 +82,8 @@ class ContinuousScheduler(SchedulerBase):
         self._slots = min(runtime.max_sequences, budget) if budget > 0 else runtime.max_sequences
         self._free_slots = list(range(self._slots - 1, -1, -1))
         self._to_remove: list[int] = []  # slots whose sequences ended, freed at the next step
+        # Admitted and in their first step: neither pending nor active until it returns.
+        self._starting: list[Admission] = []
 
     @property
     def slots(self) -> int:
@@ -94,7 +96,11 @@ class ContinuousScheduler(SchedulerBase):
         return len(self._free_slots) - len(self._pending)
 
     def held(self) -> list[WorkItem]:
-        return [*(s.item for s in self._active.values()), *self._pending]
+        return [
+            *(s.item for s in self._active.values()),
+            *(a.item for a in self._starting),
+            *self._pending,
+        ]
 
     def cancel(self, request_id: str) -> None:
         for sequence in self._active.values():
@@ -113,6 +119,7 @@ class ContinuousScheduler(SchedulerBase):
                     return
                 continue
             removals, self._to_remove = self._to_remove, []
+            self._starting = admissions
             self._ctx.busy.start()
             try:
                 tokens = await loop.run_in_executor(
@@ -123,10 +130,11 @@ class ContinuousScheduler(SchedulerBase):
                 # their messages are acked so the same poison is not redelivered forever.
                 log.exception("decode step failed")
                 self._ctx.busy.stop()
+                self._starting = []
                 await self._fail_all(admissions)
                 continue
             busy_s = self._ctx.busy.stop()
-            await self._start_admitted(admissions)
+            await self._start_admitted()
             self._account_batch(busy_s, len(self._active))
             await self._advance(tokens)
 
@@ -151,8 +159,10 @@ class ContinuousScheduler(SchedulerBase):
             self._observe_queue_wait(item)
         return admissions
 
-    async def _start_admitted(self, admissions: list[Admission]) -> None:
-        for admission in admissions:
+    async def _start_admitted(self) -> None:
+        """Their first step done: the admitted requests become running sequences."""
+        while self._starting:
+            admission = self._starting.pop(0)
             item, job = admission.item, admission.job
             if admission.error is not None:
                 self._free_slots.append(admission.slot)
