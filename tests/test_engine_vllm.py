@@ -427,8 +427,14 @@ def test_a_lora_adapter_on_the_vllm_deployment(nats_server, gateway_url, vllm_wo
         ),
         60,
     )
-    models = httpx.get(f"http://127.0.0.1:{engine_port(vllm_worker.pid)[1]}/v1/models").json()
-    assert ADAPTER not in {m["id"] for m in models["data"]}  # unloaded from vLLM too
+
+    def engine_models() -> set[str]:
+        models = httpx.get(f"http://127.0.0.1:{engine_port(vllm_worker.pid)[1]}/v1/models")
+        return {m["id"] for m in models.json()["data"]}
+
+    # Unloaded from vLLM too. Waited for: once (1 suite run in 4) vLLM still listed it when its
+    # status was gone; the worker's log showed no failed unload (not explained).
+    wait_until(lambda: ADAPTER not in engine_models(), 30)
 
 
 def test_an_adapter_on_an_engine_without_enable_lora_is_refused(nats_server, tmp_path):

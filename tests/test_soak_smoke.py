@@ -1,6 +1,6 @@
 """A seconds-long soak (bench/soak.py) on the SIMULATED accelerator: the harness runs, every
-request is answered, and it reports RSS for every component and, with `--nats-diag`, what the
-embedded nats-server's heap and streams hold."""
+request is answered, and it reports RSS for every component (and its anonymous part) and,
+with `--nats-diag`, what the embedded nats-server's heap and streams hold."""
 
 from __future__ import annotations
 
@@ -51,6 +51,9 @@ def test_short_soak_answers_everything_and_samples_memory(tmp_path: Path):
     for component in ("gateway", "worker", "nats"):
         assert result["rss_final_mb"][component] > 10, result["rss_final_mb"]
         assert result["rss_peak_after_warmup_mb"][component] >= result["rss_final_mb"][component]
+        # Its anonymous part beside it: some, and less than all (code pages are file-backed).
+        anon = result["rss_final_mb"][f"{component} anon"]
+        assert 0 < anon < result["rss_final_mb"][component]
     # nats-server's monitoring and profiling ports were open, and read, for this run only.
     diagnostics = result["nats_diagnostics"]
     assert diagnostics["errors"] == [] and len(diagnostics["samples"]) >= 3
