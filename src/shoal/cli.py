@@ -555,6 +555,9 @@ def _status(args: argparse.Namespace) -> int:
     clear = args.watch and sys.stdout.isatty()
 
     async def show() -> None:
+        stopped = asyncio.Event()
+        if args.watch:
+            _stop_on_ctrl_c(stopped)
         nc = await _connect(args, "shoal-status")
         try:
             while True:
@@ -567,13 +570,30 @@ def _status(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
                 if not args.watch:
                     return
-                await asyncio.sleep(args.interval)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stopped.wait(), args.interval)
+                if stopped.is_set():
+                    return
         finally:
             await nc.close()
 
     with contextlib.suppress(KeyboardInterrupt):  # how --watch ends
         asyncio.run(show())
     return 0
+
+
+def _stop_on_ctrl_c(stopped: asyncio.Event) -> None:
+    """Ctrl-C sets `stopped`, which a loop reads between its NATS requests; a second one stops
+    at once. Not asyncio.run's own handling, which cancels the task wherever it waits: inside
+    nats.py, some awaits swallow the CancelledError (`Client._flush_pending`), and the loop
+    would run on."""
+
+    def on_ctrl_c() -> None:
+        if stopped.is_set():
+            raise KeyboardInterrupt
+        stopped.set()
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGINT, on_ctrl_c)
 
 
 def _print_statuses(statuses: list[WorkerStatus], as_json: bool) -> None:
