@@ -50,7 +50,6 @@ from shoal.worker.schedulers.base import SchedulerBase, SchedulerContext
 log = logging.getLogger(__name__)
 
 DEFAULT_CONCURRENCY = 8
-CANCELLED_MEMORY_S = 300.0
 WATCH_INTERVAL_S = 0.2
 EXIT_GRACE_S = 1.0  # after a dropped connection, how long to look for the engine's death
 
@@ -103,7 +102,6 @@ class RelayScheduler(SchedulerBase):
         self._model = model
         self._limit = max(1, limit)
         self._inflight: dict[str, _Relay] = {}  # by request id
-        self._cancelled: dict[str, float] = {}
         self._up = True
         self._death = asyncio.Event()  # a relay saw the engine die
         self._busy_peak = 0
@@ -133,12 +131,7 @@ class RelayScheduler(SchedulerBase):
             if relay.task is not None:
                 relay.task.cancel()  # closes the HTTP request: the engine stops generating
             return
-        now = time.monotonic()
-        self._cancelled[request_id] = now
-        if len(self._cancelled) > 10_000:
-            self._cancelled = {
-                rid: t for rid, t in self._cancelled.items() if now - t < CANCELLED_MEMORY_S
-            }
+        self._remember_cancel(request_id)
 
     async def run(self) -> None:
         watcher = asyncio.create_task(self._watch())
@@ -171,7 +164,7 @@ class RelayScheduler(SchedulerBase):
             if self._separate and self._inflight and self._pending[0].adapter != self._in_engine:
                 break  # another model's turn: it waits until the engine holds none of these
             item = self._pending.popleft()
-            if self._cancelled.pop(item.request_id, None) is not None:
+            if self._take_cancel(item):
                 await self._drop_cancelled(item)
                 continue
             if await self._reject_if_unservable(item):
