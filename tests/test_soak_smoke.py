@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import TEST_ENV
 
+from bench.soak import trend_growth
 from shoal.broker.embedded import diagnostic_args
 
 
@@ -71,3 +72,14 @@ def test_nats_diagnostic_ports_are_off_unless_asked_for():
     assert diagnostic_args(asked) == ["--http_port", "8222", "--profile", "6060"]
     with pytest.raises(ValueError, match="SHOAL_NATS_PROFILE_PORT"):
         diagnostic_args({"SHOAL_NATS_PROFILE_PORT": "yes"})
+
+
+def test_rss_growth_is_judged_by_its_trend_not_the_phase_of_a_saw_tooth():
+    def saw(t: float) -> float:  # nats-server's RSS in the 30-minute run: 6 MB up and down
+        return 30.0 + 6.0 * abs((t % 360) / 180 - 1)
+
+    level = [(float(t), {"nats": saw(t)}) for t in range(0, 1800, 5)]
+    assert abs(trend_growth(level, "nats", 60.0)) < 0.03
+    rising = [(t, {"nats": rss["nats"] * (1 + 0.15 * t / 1800)}) for t, rss in level]
+    assert trend_growth(rising, "nats", 0.0) == pytest.approx(0.15, abs=0.03)
+    assert trend_growth(level[:1], "nats", 0.0) == 0.0  # too few samples to say
