@@ -314,13 +314,13 @@ def _verdict(
     warmup = max(0, min(warmup, len(ends) - 1))
     first = _window_samples(sampler, ends, warmup)
     last = _window_samples(sampler, ends, len(ends) - 1)
-    judged = [rss for when, rss in sampler.samples if when > (ends[warmup - 1] if warmup else 0)]
+    start = ends[warmup - 1] if warmup else 0.0  # the end of the warm-up
+    judged = [rss for when, rss in sampler.samples if when > start]
     names = sorted({name for _, rss in sampler.samples for name in rss})
     after_warmup = {name: statistics.median(r.get(name, 0.0) for r in first) for name in names}
     final = {name: statistics.median(r.get(name, 0.0) for r in last) for name in names}
     peak = {name: max(r.get(name, 0.0) for r in judged) for name in names}
     growth = {name: (final[name] - mb) / mb for name, mb in after_warmup.items() if mb > 0}
-    start = ends[warmup - 1] if warmup else 0.0
     trend = {name: trend_growth(sampler.samples, name, start) for name in names}
     p99s = [result.p99_ms for result in results]
     baseline = p99s[warmup]  # the first window after warm-up

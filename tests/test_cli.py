@@ -130,6 +130,16 @@ def test_deploy_wait_times_out_with_what_to_do(nats_server: EmbeddedNats):
     assert "shoal worker --model cli-idle" in done.stderr
 
 
+def test_deploy_wait_ends_on_ctrl_c(nats_server: EmbeddedNats):
+    deploy = start("deploy", "cli-ctrl-c", "--runtime", "sim", "--wait", "--nats", nats_server.url)
+    assert deploy.stdout is not None
+    assert deploy.stdout.readline().startswith("deployed cli-ctrl-c")  # now polling
+    deploy.send_signal(signal.SIGINT)
+    _, err = deploy.communicate(timeout=10)
+    assert deploy.returncode == 130, err  # the shell's code for Ctrl-C, no traceback
+    assert "Traceback" not in err
+
+
 def test_status_watch_refreshes_until_ctrl_c(nats_server: EmbeddedNats):
     watch = start("status", "--watch", "--interval", "0.2", "--nats", nats_server.url)
     assert watch.stdout is not None

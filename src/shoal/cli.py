@@ -555,9 +555,7 @@ def _status(args: argparse.Namespace) -> int:
     clear = args.watch and sys.stdout.isatty()
 
     async def show() -> None:
-        stopped = asyncio.Event()
-        if args.watch:
-            _stop_on_ctrl_c(stopped)
+        stopped = _stop_on_ctrl_c() if args.watch else asyncio.Event()
         nc = await _connect(args, "shoal-status")
         try:
             while True:
@@ -570,9 +568,7 @@ def _status(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
                 if not args.watch:
                     return
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stopped.wait(), args.interval)
-                if stopped.is_set():
+                if await _pause_unless_stopped(stopped, args.interval):
                     return
         finally:
             await nc.close()
@@ -582,11 +578,12 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stop_on_ctrl_c(stopped: asyncio.Event) -> None:
-    """Ctrl-C sets `stopped`, which a loop reads between its NATS requests; a second one stops
-    at once. Not asyncio.run's own handling, which cancels the task wherever it waits: inside
-    nats.py, some awaits swallow the CancelledError (`Client._flush_pending`), and the loop
-    would run on."""
+def _stop_on_ctrl_c() -> asyncio.Event:
+    """An event Ctrl-C sets, for a polling loop to read between its NATS requests
+    (`_pause_unless_stopped`); a second Ctrl-C stops at once. Not asyncio.run's own handling,
+    which cancels the task wherever it waits: inside nats.py, some awaits swallow the
+    CancelledError (`Client._flush_pending`), and the loop would run on."""
+    stopped = asyncio.Event()
 
     def on_ctrl_c() -> None:
         if stopped.is_set():
@@ -594,6 +591,14 @@ def _stop_on_ctrl_c(stopped: asyncio.Event) -> None:
         stopped.set()
 
     asyncio.get_running_loop().add_signal_handler(signal.SIGINT, on_ctrl_c)
+    return stopped
+
+
+async def _pause_unless_stopped(stopped: asyncio.Event, seconds: float) -> bool:
+    """Wait `seconds` between two polls; True (at once) once `stopped` is set."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stopped.wait(), seconds)
+    return stopped.is_set()
 
 
 def _print_statuses(statuses: list[WorkerStatus], as_json: bool) -> None:
@@ -624,24 +629,22 @@ def _deploy(args: argparse.Namespace) -> int:
     if bool(args.base) != bool(args.lora):
         raise SystemExit("shoal deploy: --base and --lora go together")
 
-    async def run() -> ModelSpec:
+    async def run() -> int:
         async with _jetstream(args, "shoal-deploy") as js:
             if args.lora:
                 spec = await lora_spec(js, args.name, args.base, args.lora)
             else:
                 spec = _model_spec(args, name=args.name)
             await deploy(js, spec, QueueSettings.from_environment())
-            return spec
+        print(f"deployed {spec.name} ({spec.runtime}, {spec.task.value})", flush=True)
+        return await _wait_until_loaded(args, spec.name) if args.wait else 0
 
+    # One event loop for both steps: a Ctrl-C between two loops could land in the first one's
+    # teardown (printed as an ignored exception, then lost).
     try:
-        spec = asyncio.run(run())
+        return asyncio.run(run())
     except DeploymentError as err:
         raise SystemExit(f"shoal deploy: {err}") from None
-    print(f"deployed {spec.name} ({spec.runtime}, {spec.task.value})", flush=True)
-    if not args.wait:
-        return 0
-    try:
-        return asyncio.run(_wait_until_loaded(args, spec.name))
     except KeyboardInterrupt:
         return 130
 
@@ -655,6 +658,7 @@ async def _wait_until_loaded(args: argparse.Namespace, model: str) -> int:
     progress = LoadProgress(model)
     deadline = time.monotonic() + args.timeout
     seen_any = False
+    stopped = _stop_on_ctrl_c()
     nc = await _connect(args, "shoal-deploy-wait")
     try:
         while time.monotonic() < deadline:
@@ -667,7 +671,8 @@ async def _wait_until_loaded(args: argparse.Namespace, model: str) -> int:
                 if status.state is WorkerState.FAILED:
                     print(f"shoal deploy: {model} failed to load: {status.error}", file=sys.stderr)
                     return 1
-            await asyncio.sleep(0.25)
+            if await _pause_unless_stopped(stopped, 0.25):
+                return 130  # Ctrl-C, as when it lands before the loop
     finally:
         await nc.close()
     why = (
