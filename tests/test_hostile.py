@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import socket
 import time
 
 import httpx
 import pytest
 from conftest import Launcher
+from uvicorn.protocols.http.flow_control import FlowControl
 
 from shoal.config import GatewaySettings
 from shoal.gateway.app import Gateway
+from shoal.gateway.http_protocol import WholeResponseCycle
 from shoal.gateway.openapi import build_document, encode_document, load_document
 
 HEADER_TIMEOUT_S = 2.0
@@ -165,6 +169,36 @@ def test_an_idle_connection_is_kept_past_the_header_timeout_then_closed_quietly(
     assert elapsed > HEADER_TIMEOUT_S + 1
 
 
+def test_keep_alive_counts_from_the_last_response(cluster):
+    """A connection that asks every second for longer than the keep-alive timeout stays open;
+    once it stops, it is closed a keep-alive timeout after its last response, not before."""
+    host, port = _address(cluster["url"])
+    request = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+
+    async def ask_then_idle() -> tuple[int, float]:
+        reader, writer = await asyncio.open_connection(host, port)
+        answered = 0
+        try:
+            started = time.monotonic()
+            while time.monotonic() - started < KEEP_ALIVE_S * 1.6:
+                writer.write(request)
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+                length = int(_parse_raw_response(head)[1]["content-length"])
+                await reader.readexactly(length)
+                answered += 1
+                last_answer = time.monotonic()
+                await asyncio.sleep(1.0)
+            rest = await asyncio.wait_for(reader.read(), KEEP_ALIVE_S + 8)
+            assert rest == b""
+            return answered, time.monotonic() - last_answer
+        finally:
+            writer.close()
+
+    answered, closed_after_s = asyncio.run(ask_then_idle())
+    assert answered >= KEEP_ALIVE_S * 1.6 - 1  # one a second, none refused by a closed socket
+    assert KEEP_ALIVE_S - 0.2 <= closed_after_s <= KEEP_ALIVE_S + 2, closed_after_s
+
+
 def test_trickling_body_gets_408_and_the_connection_closes(cluster):
     host, port = _address(cluster["url"])
 
@@ -234,6 +268,111 @@ def test_invalid_http_is_400_in_the_error_shape(cluster, data):
     status, headers, body = _parse_raw_response(asyncio.run(_raw_request(cluster["url"], data)))
     assert status == 400 and headers["content-type"] == "application/json"
     assert json.loads(body)["error"]["code"] == "invalid_http"
+
+
+# -- one write per response ------------------------------------------------------------
+
+
+class _RecordingTransport:
+    """Where the cycle's writes land, one entry per write call (each a send on a socket)."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _cycle(method: str = "POST", keep_alive: bool = True):
+    """The gateway's request cycle as its protocol makes it, over a recording transport."""
+    transport = _RecordingTransport()
+    responded: list[bool] = []
+    cycle = WholeResponseCycle(
+        scope={"type": "http", "method": method, "path": "/", "headers": []},
+        transport=transport,  # type: ignore[arg-type]
+        flow=FlowControl(transport),  # type: ignore[arg-type]
+        logger=logging.getLogger("test"),
+        access_logger=logging.getLogger("test"),
+        access_log=False,
+        default_headers=[(b"server", b"uvicorn")],
+        message_event=asyncio.Event(),
+        expect_100_continue=False,
+        keep_alive=keep_alive,
+        on_response=lambda: responded.append(True),
+    )
+    return cycle, transport, responded
+
+
+def test_a_whole_response_is_one_write():
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"2")]
+
+    async def answer(method: str = "POST", keep_alive: bool = True, extra=()) -> tuple:
+        cycle, transport, responded = _cycle(method, keep_alive)
+        await cycle.send_whole(200, [*headers, *extra], b"{}")
+        assert cycle.response_complete and cycle.message_event.is_set() and responded
+        return transport, cycle
+
+    transport, cycle = asyncio.run(answer())
+    assert len(transport.writes) == 1 and not transport.closed and cycle.keep_alive
+    status, response_headers, body = _parse_raw_response(transport.writes[0])
+    assert (status, body) == (200, b"{}")
+    assert response_headers == {
+        "server": "uvicorn",
+        "content-type": "application/json",
+        "content-length": "2",
+    }
+    # HEAD: the head alone. An HTTP/1.0 client (no keep-alive): told, and closed.
+    # `connection: close` from the app (a body left unread): closed.
+    transport, _ = asyncio.run(answer("HEAD"))
+    assert _parse_raw_response(transport.writes[0])[2] == b""
+    transport, _ = asyncio.run(answer(keep_alive=False))
+    assert _parse_raw_response(transport.writes[0])[1]["connection"] == "close"
+    assert transport.closed
+    transport, cycle = asyncio.run(answer(extra=[(b"connection", b"close")]))
+    assert transport.closed and not cycle.keep_alive
+    assert list(_parse_raw_response(transport.writes[0])[1]).count("connection") == 1
+
+
+def test_a_whole_response_to_a_client_gone_writes_nothing():
+    async def answer() -> _RecordingTransport:
+        cycle, transport, _ = _cycle()
+        cycle.disconnected = True
+        await cycle.send_whole(200, [(b"content-length", b"2")], b"{}")
+        return transport
+
+    assert asyncio.run(answer()).writes == []
+
+
+def test_head_and_expect_continue_are_answered_by_the_gateway(cluster):
+    """A HEAD request (a head and no body) and Expect: 100-continue, over a real socket."""
+    host, port = _address(cluster["url"])
+    with socket.create_connection((host, port), timeout=5) as sock:
+        sock.sendall(b"HEAD /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, _, body = _parse_raw_response(sock.recv(65536))
+        assert status == 405 and body == b""
+        payload = json.dumps({"model": EMBED_MODEL, "input": "hello"}).encode()
+        sock.sendall(
+            b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(payload)
+        )
+        assert sock.recv(65536) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        sock.sendall(payload)
+        raw = b""
+        while b"\r\n\r\n" not in raw or len(raw.partition(b"\r\n\r\n")[2]) < int(
+            _parse_raw_response(raw)[1].get("content-length", "1")
+        ):
+            chunk = sock.recv(65536)
+            assert chunk, raw
+            raw += chunk
+        status, _, body = _parse_raw_response(raw)
+        assert status == 200 and json.loads(body)["data"][0]["index"] == 0
 
 
 # -- HTTP-level errors -------------------------------------------------------------------

@@ -257,6 +257,11 @@ class Gateway:
             log.warning("%s %s: NATS error: %r", scope["method"], path, err)
             error = ApiError(503, f"The queue (NATS) did not answer: {err}", retry_after=1)
             await _respond_error(send, error)
+        except asyncio.CancelledError:
+            # Only uvicorn cancels a request: one still running when its graceful shutdown
+            # times out. Its client is told to retry (a streamed request, in its stream:
+            # `_stream`), where uvicorn would answer a plain-text 500 and log a traceback.
+            await _respond_error(send, _shutting_down())
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -310,6 +315,9 @@ class Gateway:
                 await _respond(send, status, payload)
         except ApiError as err:
             status = err.status
+            raise
+        except asyncio.CancelledError:
+            status = 503  # the gateway is stopping: answered in __call__
             raise
         except ClientGone:
             status = _CLIENT_CLOSED
@@ -559,6 +567,10 @@ class Gateway:
         except (ClientGone, OSError):
             await self._cancel(model, request_id)
             raise ClientGone from None
+        except asyncio.CancelledError:  # the gateway is stopping (see __call__)
+            await relay.fail(_shutting_down())
+            await self._cancel(model, request_id)
+            return 503
         finally:
             self.replies.forget(request_id)
             disconnected.cancel()
@@ -727,6 +739,12 @@ def _unavailable_as_503() -> Iterator[None]:
         raise ApiError(503, f"The queue (NATS) did not answer: {err}", retry_after=1) from None
 
 
+def _shutting_down() -> ApiError:
+    return ApiError(
+        503, "The gateway is shutting down; retry the request", code="shutting_down", retry_after=1
+    )
+
+
 def _idempotency_key(headers: list[tuple[bytes, bytes]]) -> str | None:
     value = request_header(headers, b"idempotency-key")
     return None if value is None else value.decode("latin-1").strip()
@@ -744,6 +762,12 @@ async def _respond(
     extra_headers: list[tuple[bytes, bytes]] | None = None,
 ) -> None:
     headers = [content_type, (b"content-length", str(len(body)).encode()), *(extra_headers or [])]
+    # Under uvicorn, `send` is a method of the gateway's request cycle, which writes a whole
+    # response at once (http_protocol.py); other servers get the two ASGI messages.
+    send_whole = getattr(getattr(send, "__self__", None), "send_whole", None)
+    if send_whole is not None:
+        await send_whole(status, headers, body)
+        return
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 

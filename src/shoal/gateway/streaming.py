@@ -171,7 +171,7 @@ class StreamRelay:
                     if self.started and time.monotonic() < deadline
                     else "No complete answer within the request's time"
                 )
-                await self._fail(ApiError(504, message, code="timeout"))
+                await self.fail(ApiError(504, message, code="timeout"))
                 return
             if await self._relay(result):
                 return
@@ -197,7 +197,7 @@ class StreamRelay:
                 if restarted
                 else f"Stream chunk {self._next_seq} was lost"
             )
-            await self._fail(ApiError(502, message, code="stream_interrupted"))
+            await self.fail(ApiError(502, message, code="stream_interrupted"))
             return True
         self._next_seq += 1
         await self._start()
@@ -225,7 +225,9 @@ class StreamRelay:
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
         await self._send({"type": "http.response.body", "body": body})
 
-    async def _fail(self, error: ApiError) -> None:
+    async def fail(self, error: ApiError) -> None:
+        """End the stream with `error`: an error event once it has started, else the error's
+        own response."""
         await self._fail_with_body(error.status, error.body())
 
     async def _fail_with_body(self, status: int, body: bytes) -> None:
