@@ -8,6 +8,7 @@ closed-loop client exists for the smoke test, which must run where wrk is not in
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -45,6 +47,7 @@ class UpCluster:
         self.env.pop("SHOAL_NATS", None)
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen[str] | None = None
+        self.output: collections.deque[str] = collections.deque(maxlen=200)  # its last lines
 
     def __enter__(self) -> UpCluster:
         self.process = subprocess.Popen(
@@ -56,9 +59,18 @@ class UpCluster:
         )
         assert self.process.stdout is not None
         for line in self.process.stdout:
+            self.output.append(line)
             if "Ctrl-C" in line:
+                # Keep reading: a cluster that logs more than a pipe holds (64 KiB; a stop
+                # with requests in flight can) would block on its next write.
+                threading.Thread(target=self._read_output, daemon=True).start()
                 return self
         raise RuntimeError(f"shoal up did not start (exit {self.process.wait()})")
+
+    def _read_output(self) -> None:
+        assert self.process is not None and self.process.stdout is not None
+        for line in self.process.stdout:
+            self.output.append(line)
 
     def __exit__(self, *exc: object) -> None:
         assert self.process is not None

@@ -12,7 +12,13 @@ import pytest
 from shoal.api.errors import ApiError
 from shoal.catalog import resolve_model
 from shoal.observability.metrics import BusyMeter
-from shoal.protocol import Endpoint, is_valid_model_name, name_token, work_subject
+from shoal.protocol import (
+    Endpoint,
+    UniqueIds,
+    is_valid_model_name,
+    name_token,
+    work_subject,
+)
 from shoal.runtimes.base import EmbedOutput
 from shoal.runtimes.sim import SimEmbeddingRuntime, pseudo_embedding, pseudo_token_embedding
 from shoal.worker.items import WorkItem, take_batch
@@ -277,3 +283,11 @@ def test_matryoshka_sizes_are_read_from_a_sentence_transformers_card(tmp_path):
         '\n    "matryoshka_dims": [\n        768,\n        512,\n        64\n    ],\n}\n```\n'
     )
     assert card_matryoshka_dimensions(tmp_path) == (768, 512, 64)
+
+
+def test_unique_ids_differ_within_and_across_sources():
+    first, second = UniqueIds(), UniqueIds()  # two gateway processes, or one restarted
+    ids = [first.new() for _ in range(1000)] + [second.new() for _ in range(1000)]
+    assert len(set(ids)) == len(ids)
+    assert all(len(id_) == 32 and int(id_, 16) >= 0 for id_ in ids)  # 32 hex, as a uuid4's
+    assert ids[0][:16] != ids[1000][:16]  # each source its own random prefix

@@ -8,7 +8,9 @@ opaque bytes here: the gateway never decodes more than routing needs, the worker
 
 from __future__ import annotations
 
+import itertools
 import re
+import secrets
 import time
 from enum import StrEnum
 from typing import Any
@@ -95,6 +97,20 @@ def reply_subject(gateway_id: str) -> str:
 def cancel_subject(model: str) -> str:
     """Core NATS subject on which gateways cancel a model's requests (body: request id)."""
     return f"{CANCEL_SUBJECT_PREFIX}.{name_token(model)}"
+
+
+class UniqueIds:
+    """Ids unique across processes and restarts without a system call each: a random 64-bit
+    prefix drawn once, then a counter; 32 hex digits, as a uuid4's. `uuid.uuid4()` reads the
+    OS's random source on every call (~1.8 us against ~0.15 here), and the gateway draws one
+    for every request and every envelope."""
+
+    def __init__(self) -> None:
+        self._prefix = secrets.token_hex(8)
+        self._count = itertools.count()
+
+    def new(self) -> str:
+        return f"{self._prefix}{next(self._count):016x}"
 
 
 def now_ms() -> int:

@@ -55,6 +55,7 @@ from shoal.protocol import (
     Endpoint,
     Header,
     Task,
+    UniqueIds,
     WorkRequest,
     cancel_subject,
     encode_json,
@@ -109,6 +110,7 @@ class Gateway:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self.gateway_id = uuid.uuid4().hex[:12]
+        self._request_ids = UniqueIds()
         self.metrics = GatewayMetrics()
         self.replies = ReplyRouter(reply_subject(self.gateway_id), self.metrics.dropped_replies.inc)
         self.waiting = WaitingRequests(DISCONNECT_WATCH_AFTER_S)
@@ -416,7 +418,7 @@ class Gateway:
         A client that disconnects while waiting cancels the request: its work is dropped
         before it runs, or stopped at the next step of a generation.
         """
-        request_id = request_id or uuid.uuid4().hex
+        request_id = request_id or self._request_ids.new()
         timeout_s = self.settings.request_timeout_s
         future = self.replies.expect(request_id)
         self.waiting.add(future, receive, timeout_s)  # its deadline, its client leaving
@@ -463,7 +465,7 @@ class Gateway:
         timeout_s = self.settings.request_timeout_s
         give_up = time.monotonic() + timeout_s
         while True:
-            request_id = uuid.uuid4().hex
+            request_id = self._request_ids.new()
             pending = pending_record(body, request_id, now_ms() + int(timeout_s * 1000))
             with _unavailable_as_503():
                 settled = await self._settle_claim(kv, key, pending, give_up)
@@ -554,7 +556,7 @@ class Gateway:
         self, model: str, endpoint: Endpoint, body: bytes, receive: Receive, send: Send
     ) -> int:
         """Queue a streamed request and relay its chunks; returns the status for metrics."""
-        request_id = uuid.uuid4().hex
+        request_id = self._request_ids.new()
         queue = self.replies.expect_stream(request_id)
         disconnected = asyncio.create_task(wait_for_disconnect(receive))
         relay = StreamRelay(queue, _retry_after_on_503(send), disconnected)

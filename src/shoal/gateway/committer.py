@@ -20,11 +20,17 @@ budget keeps envelopes of 64, where sharing the publish matters most.
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Awaitable, Callable
 
 from shoal.broker.bodies import INLINE_BODY_BYTES
-from shoal.protocol import WorkEnvelope, WorkRequest, encode_msgpack, now_ms, work_subject
+from shoal.protocol import (
+    UniqueIds,
+    WorkEnvelope,
+    WorkRequest,
+    encode_msgpack,
+    now_ms,
+    work_subject,
+)
 
 MAX_REQUESTS_PER_ENVELOPE = 64
 # Well under NATS's default 1 MB max_payload, with room for the envelope's framing; a larger
@@ -47,6 +53,7 @@ class GroupCommitter:
         self._pending: dict[str, list[tuple[WorkRequest, asyncio.Future[None]]]] = {}  # by model
         self._flushing: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._envelope_ids = UniqueIds()  # JetStream deduplicates a retried publish on them
 
     async def submit(self, model: str, request: WorkRequest, *, alone: bool = False) -> None:
         """Queue one request for `model`; returns once JetStream has stored it (raises if it
@@ -86,7 +93,7 @@ class GroupCommitter:
 
     async def _send(self, subject: str, requests: list[WorkRequest]) -> None:
         envelope = WorkEnvelope(self._reply_to, now_ms(), requests)
-        await self._publish(subject, encode_msgpack(envelope), uuid.uuid4().hex)
+        await self._publish(subject, encode_msgpack(envelope), self._envelope_ids.new())
 
 
 def envelope_cap(smallest_budget: int | None) -> int:
