@@ -16,6 +16,7 @@ import os
 import statistics
 import time
 
+from bench.fleet_metrics import scrape, window
 from bench.harness import (
     SENTENCE,
     UpCluster,
@@ -53,15 +54,21 @@ class InProcessModel:
 
 
 def _measure_cluster(up: UpCluster, args: argparse.Namespace, encoding: str) -> dict:
-    """One closed-loop window against the cluster: the load, the cores each part used, and
-    the mean batch the worker ran."""
+    """One closed-loop window against the cluster: the load, the cores each part used, the
+    mean batch the worker ran and the share of the window its runtime was busy."""
+    urls = up.metrics_urls()
     before, started = up.component_cpu_seconds(), time.monotonic()
-    items_before, batches_before = up.batch_totals()
+    counters_before = scrape(urls)
     load = run_load(up.url, MODEL, args.connections, args.seconds, args.client, encoding)
-    cores = cpu_share(before, up.component_cpu_seconds(), time.monotonic() - started)
-    items, batches = up.batch_totals()
-    mean_batch = (items - items_before) / max(1.0, batches - batches_before)
-    return {"load": load, "cores_used": cores, "mean_batch": mean_batch}
+    seconds = time.monotonic() - started
+    cores = cpu_share(before, up.component_cpu_seconds(), seconds)
+    figures = window(counters_before, scrape(urls), seconds)
+    return {
+        "load": load,
+        "cores_used": cores,
+        "mean_batch": figures.mean_batch,
+        "busy": figures.busy_mean,
+    }
 
 
 def main() -> None:
@@ -106,7 +113,8 @@ def main() -> None:
             run, load = runs[i], runs[i]["load"]
             print(
                 f"  cluster {encoding:6}: {load.rps:6.1f} req/s "
-                f"(mean batch {run['mean_batch']:.0f}, errors {load.errors}, "
+                f"(mean batch {run['mean_batch']:.0f}, busy {run['busy']:.2f}, "
+                f"errors {load.errors}, "
                 f"p50 {load.p50_ms:.0f} ms, p99 {load.p99_ms:.0f} ms, "
                 f"cores {run['cores_used']}, client cpu {load.client_cpu_s:.1f} s)"
             )

@@ -7,6 +7,7 @@ nothing per token, so a batch's fixed cost dominates as on a GPU.
 from __future__ import annotations
 
 import math
+import random
 import threading
 import time
 
@@ -15,6 +16,7 @@ import pytest
 from conftest import wait_until, worker_status
 
 from shoal.worker.batch_wait import (
+    WINDOW,
     CostCurve,
     CostFit,
     LoadMeter,
@@ -104,6 +106,39 @@ def test_curve_is_fitted_from_measured_batches():
     assert same_size.fit() is None  # one size cannot tell fixed from per-item cost
     seeded = CostCurve({1: 0.101, 8: 0.108, 64: 0.164})  # a profile's points
     assert seeded.fit() is not None
+
+
+def test_batches_all_of_one_size_do_not_bend_the_profiled_curve():
+    # A closed loop of 64 clients against a budget of 128 runs batch after batch of 64. The
+    # window fills with them; the profile's sizes keep the line's slope, and the batches
+    # in service (10% slower than profiled: they also decode and encode) set its level.
+    truth = CostFit(fixed_s=0.012, per_item_s=0.0015)
+    profile = {n: truth.seconds(n) for n in (1, 2, 4, 8, 16, 32, 64, 128)}
+    curve = CostCurve(profile)
+    noise = random.Random(7)
+    for _ in range(3 * WINDOW):
+        curve.observe(64, 1.1 * truth.seconds(64) * noise.uniform(0.9, 1.1))
+    fit = curve.fit()
+    assert fit is not None
+    assert fit.per_item_s == pytest.approx(truth.per_item_s, rel=0.25)
+    assert fit.fixed_s == pytest.approx(truth.fixed_s, rel=0.6)
+    assert fit.seconds(64) == pytest.approx(1.1 * truth.seconds(64), rel=0.05)
+    # Without a profile one size cannot tell fixed from per-item cost: no curve, no wait.
+    alone = CostCurve()
+    for _ in range(WINDOW):
+        alone.observe(64, truth.seconds(64))
+    assert alone.fit() is None
+
+
+def test_a_new_profile_replaces_the_old_one_in_the_curve():
+    slow = CostFit(fixed_s=0.100, per_item_s=0.004)
+    fast = CostFit(fixed_s=0.010, per_item_s=0.001)
+    curve = CostCurve({n: slow.seconds(n) for n in (1, 8, 64)})
+    curve.use_profile({n: fast.seconds(n) for n in (1, 8, 64)})
+    fit = curve.fit()
+    assert fit is not None
+    assert fit.fixed_s == pytest.approx(fast.fixed_s)
+    assert fit.per_item_s == pytest.approx(fast.per_item_s)
 
 
 def _batches_for_two_requests(

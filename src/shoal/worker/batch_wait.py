@@ -6,8 +6,9 @@ weight reads, the simulator's `batch_ms`) that wastes most of the device. So bef
 a worker holding fewer items than the batch's "knee" waits for more, within bounds:
 
 - The cost curve is measured, not configured: seconds per batch against items per batch,
-  fitted as `fixed + per_item * n` over this worker's recent batches, seeded by the model's
-  profile (worker/profiling.py) so the first batches already know it.
+  fitted as `fixed + per_item * n` over this worker's recent batches and the model's profile
+  (worker/profiling.py), so the first batches already know it and a run of batches all of
+  one size cannot bend it (`CostCurve`).
 - The knee is the smallest batch whose cost per item is within `KNEE_TOLERANCE` of the
   budget-sized batch's: past it, a larger batch saves little. A curve with no fixed cost has
   its knee at 1, so such a runtime never waits.
@@ -79,34 +80,45 @@ class WaitPlan:
 
 
 class CostCurve:
-    """What batches cost on this worker, as measured (and seeded by the stored profile)."""
+    """What batches cost on this worker: the model's stored profile and its recent batches.
 
-    def __init__(self, seed: dict[int, float] | None = None) -> None:
+    The profile's points stay in every fit. The recent batches alone cannot always tell a
+    line: a closed loop of fewer clients than the budget (64 connections, budget 128) runs
+    batch after batch of one size, and once the window held only those, the fit swung with
+    their noise (all-MiniLM-L6-v2: fixed 20 -> 81 ms and 1.15 -> 0.16 ms an item within 50
+    batches) and the wait planned on it grew with each batch (17 -> 57 ms) for a knee the
+    64 clients could never fill (docs/benchmarks.md, "A cost curve that holds its shape").
+    With the profile's sizes in, the batches in service set the line's level where they
+    run, and the profile keeps its slope."""
+
+    def __init__(self, profile: dict[int, float] | None = None) -> None:
+        self._profile: list[tuple[int, float]] = []
         self._samples: deque[tuple[int, float]] = deque(maxlen=WINDOW)
-        for items, seconds in sorted((seed or {}).items()):
-            self._samples.append((int(items), float(seconds)))
+        self.use_profile(profile or {})
+
+    def use_profile(self, profile: dict[int, float]) -> None:
+        """Seconds per batch by size, as profiled (a new profile replaces the old one)."""
+        self._profile = sorted((int(n), float(s)) for n, s in profile.items() if s > 0)
 
     def observe(self, items: int, seconds: float) -> None:
         self._samples.append((items, seconds))
 
     def fit(self) -> CostFit | None:
-        """Least squares over the window; None until there are enough batches of different
-        sizes to tell the fixed cost from the per-item cost."""
-        if len(self._samples) < MIN_SAMPLES and not self._seeded_enough():
+        """Least squares over the profile's points and the window; None until there are
+        enough batches of different sizes to tell the fixed cost from the per-item cost."""
+        if len(self._samples) < MIN_SAMPLES and len(self._profile) < 3:
             return None
-        count = len(self._samples)
-        mean_n = sum(n for n, _ in self._samples) / count
-        mean_s = sum(s for _, s in self._samples) / count
-        spread = sum((n - mean_n) ** 2 for n, _ in self._samples)
+        points = [*self._profile, *self._samples]
+        count = len(points)
+        mean_n = sum(n for n, _ in points) / count
+        mean_s = sum(s for _, s in points) / count
+        spread = sum((n - mean_n) ** 2 for n, _ in points)
         if spread < 1e-9:
             return None
-        slope = sum((n - mean_n) * (s - mean_s) for n, s in self._samples) / spread
+        slope = sum((n - mean_n) * (s - mean_s) for n, s in points) / spread
         per_item = max(0.0, slope)
         fixed = max(0.0, mean_s - per_item * mean_n)
         return CostFit(fixed, per_item)
-
-    def _seeded_enough(self) -> bool:
-        return len({n for n, _ in self._samples}) >= 3
 
 
 class LoadMeter:

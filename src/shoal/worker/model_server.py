@@ -247,6 +247,7 @@ class ModelServer:
         )
         self.budget = budget
         self._ctx.settings = _with_budget(self.settings, budget)
+        self._ctx.profiled_latency_s = budget.latency_s  # the batch wait's curve follows
         self._ctx.room_changed.set()  # more room: the fill loop pulls for the larger budget
 
     async def drain(self) -> None:

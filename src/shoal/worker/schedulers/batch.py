@@ -39,6 +39,7 @@ class BatchScheduler(SchedulerBase):
         self._handler = handler
         self._running: list[WorkItem] = []
         self._curve = CostCurve(ctx.profiled_latency_s)
+        self._curve_profile = ctx.profiled_latency_s
         self._load = LoadMeter()
 
     def room(self) -> int:
@@ -55,6 +56,9 @@ class BatchScheduler(SchedulerBase):
     async def run(self) -> None:
         while await self._wait_for_work():
             settings = self._ctx.settings  # a new profile may have changed the budget
+            if self._ctx.profiled_latency_s is not self._curve_profile:
+                self._curve_profile = self._ctx.profiled_latency_s
+                self._curve.use_profile(self._curve_profile)
             if settings.adaptive_batch_wait:
                 await self._wait_for_fuller_batch()
             batch = take_batch(self._pending, settings.max_batch_items, settings.max_batch_tokens)
@@ -71,9 +75,10 @@ class BatchScheduler(SchedulerBase):
         budget = settings.max_batch_items
         fit = self._curve.fit()
         began = time.monotonic()
+        held = len(self._pending)
         plan = plan_wait(
             fit,
-            len(self._pending),
+            held,
             budget,
             settings.latency_targets.batch_s,
             self._load.load(fit, budget, began),
@@ -90,7 +95,19 @@ class BatchScheduler(SchedulerBase):
             self._arrived.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._arrived.wait(), remaining)
-        self._ctx.metrics.batch_wait.observe(time.monotonic() - began)
+        waited_s = time.monotonic() - began
+        self._ctx.metrics.batch_wait.observe(waited_s)
+        # `SHOAL_LOG_LEVEL=debug`: what each wait was planned on (how the closed-loop stall
+        # on a bent curve was found; docs/benchmarks.md, "A cost curve that holds its shape").
+        log.debug(
+            "waited %.1f ms of %.1f for %d items, held %d -> %d; %s",
+            waited_s * 1e3,
+            plan.max_wait_s * 1e3,
+            plan.target_items,
+            held,
+            len(self._pending),
+            fit,
+        )
 
     async def _run_batch(self, batch: list[WorkItem]) -> None:
         ctx = self._ctx
