@@ -12,6 +12,7 @@ import itertools
 import re
 import secrets
 import time
+from collections.abc import Iterable
 from enum import StrEnum
 from typing import Any
 
@@ -95,8 +96,19 @@ def reply_subject(gateway_id: str) -> str:
 
 
 def cancel_subject(model: str) -> str:
-    """Core NATS subject on which gateways cancel a model's requests (body: request id)."""
+    """Core NATS subject on which gateways cancel a model's requests (body: `encode_cancels`)."""
     return f"{CANCEL_SUBJECT_PREFIX}.{name_token(model)}"
+
+
+def encode_cancels(request_ids: Iterable[str]) -> bytes:
+    """A cancel message's body: the request ids, one per line (an id has no line break: it is
+    the gateway's, or a client's HTTP header value)."""
+    return "\n".join(request_ids).encode()
+
+
+def decode_cancels(body: bytes) -> list[str]:
+    """The request ids of a cancel message (`encode_cancels`)."""
+    return [request_id for request_id in body.decode(errors="replace").split("\n") if request_id]
 
 
 class UniqueIds:

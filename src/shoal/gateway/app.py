@@ -38,6 +38,7 @@ from shoal.config import GatewaySettings
 from shoal.gateway.admin import PREFIX as ADMIN_PREFIX
 from shoal.gateway.admin import check_token, handle_admin
 from shoal.gateway.auth import auth_for
+from shoal.gateway.cancels import CancelSender
 from shoal.gateway.committer import GroupCommitter
 from shoal.gateway.dashboard import DATA_PATH, PAGE_PATH, Dashboard
 from shoal.gateway.openapi import load_document
@@ -57,7 +58,6 @@ from shoal.protocol import (
     Task,
     UniqueIds,
     WorkRequest,
-    cancel_subject,
     encode_json,
     now_ms,
     reply_subject,
@@ -119,6 +119,7 @@ class Gateway:
         self.committer = GroupCommitter(
             self.replies.subject, self._publish, self.readiness.smallest_budget
         )
+        self.cancels = CancelSender(self._publish_cancels)
         # Done the moment the connection to NATS drops (a new one after each reconnect):
         # a publish waiting for its acknowledgement gives up then, instead of timing out.
         self._lost: asyncio.Future[None] | None = None
@@ -431,7 +432,7 @@ class Gateway:
         except TimeoutError:
             raise ApiError(504, f"No result within {timeout_s:g} s", code="timeout") from None
         except ClientGone:
-            await self._cancel(model, request_id)
+            self.cancels.cancel(model, request_id)
             raise
         finally:
             self.replies.forget(request_id)
@@ -567,24 +568,24 @@ class Gateway:
                 time.monotonic() + settings.request_timeout_s, settings.stream_idle_timeout_s
             )
         except (ClientGone, OSError):
-            await self._cancel(model, request_id)
+            self.cancels.cancel(model, request_id)
             raise ClientGone from None
         except asyncio.CancelledError:  # the gateway is stopping (see __call__)
             await relay.fail(_shutting_down())
-            await self._cancel(model, request_id)
+            self.cancels.cancel(model, request_id)
             return 503
         finally:
             self.replies.forget(request_id)
             disconnected.cancel()
         if relay.status != 200:
-            await self._cancel(model, request_id)  # whatever still runs has no reader
+            self.cancels.cancel(model, request_id)  # whatever still runs has no reader
         return relay.status
 
-    async def _cancel(self, model: str, request_id: str) -> None:
+    async def _publish_cancels(self, subject: str, body: bytes) -> None:
+        """Publish one cancel message (CancelSender's publish); dropped while disconnected."""
         nc = self._nc
         if nc is not None and nc.is_connected:
-            with contextlib.suppress(Exception):
-                await nc.publish(cancel_subject(model), request_id.encode())
+            await nc.publish(subject, body)
 
     async def _publish(self, subject: str, payload: bytes, envelope_id: str) -> None:
         """Publish one work envelope (the committer's publish); ApiError if it was refused."""

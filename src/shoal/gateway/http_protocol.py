@@ -21,6 +21,7 @@ writes the head and the body in two.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from enum import Enum
 from functools import partial
 from typing import Any
@@ -78,7 +79,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._keep_alive_timer is not None:
             self._keep_alive_timer.cancel()
             self._keep_alive_timer = None
+        cycle = self.cycle
         super().connection_lost(exc)
+        on_lost = getattr(cycle, "on_lost", None)  # a cycle made before its headers is not ours
+        if on_lost is not None and cycle.disconnected:
+            on_lost()
 
     def data_received(self, data: bytes) -> None:
         if self._reading is _Reading.CLOSING:
@@ -224,7 +229,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
 
 class WholeResponseCycle(RequestResponseCycle):
-    """uvicorn's request cycle, plus `send_whole`: a response in one write."""
+    """uvicorn's request cycle, plus `send_whole`: a response in one write, and `on_lost`:
+    what to call, at once, when the connection is lost before the response is complete (the
+    app's waiting request sets it, so a client that leaves is noticed with no polling)."""
+
+    on_lost: Callable[[], None] | None = None
 
     async def send_whole(
         self, status: int, headers: list[tuple[bytes, bytes]], body: bytes

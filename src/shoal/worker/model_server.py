@@ -35,6 +35,7 @@ from shoal.protocol import (
     Task,
     WorkEnvelope,
     cancel_subject,
+    decode_cancels,
     decode_envelope,
     now_ms,
 )
@@ -417,7 +418,8 @@ class ModelServer:
 
     async def _on_cancel(self, msg: Msg) -> None:
         if self._scheduler is not None:
-            self._scheduler.cancel(msg.data.decode(errors="replace"))
+            for request_id in decode_cancels(msg.data):
+                self._scheduler.cancel(request_id)
 
     async def _fill(self, puller: Puller, stopped: asyncio.Event) -> None:
         assert self._scheduler is not None and self._ctx is not None
