@@ -426,10 +426,13 @@ class ModelServer:
         room_changed = self._ctx.room_changed
         while not stopped.is_set():
             room = self._scheduler.room()
-            if room <= 0:
+            # No room, or a long batch running: the queue's items are left to other workers
+            # until the batch nears its end (schedulers/batch.py).
+            wait_s = self.settings.poll_s if room <= 0 else self._scheduler.pull_after_s()
+            if wait_s > 0:
                 room_changed.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(room_changed.wait(), self.settings.poll_s)
+                    await asyncio.wait_for(room_changed.wait(), wait_s)
                 continue
             # A message holds one or more requests (group commit at the gateway): ask for as
             # many messages as fill the room on average, so the worker does not hold work

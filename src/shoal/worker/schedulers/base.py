@@ -82,6 +82,11 @@ class Scheduler(Protocol):
         """Every item pulled and not yet acked (for in-progress acks)."""
         ...
 
+    def pull_after_s(self) -> float:
+        """Seconds to leave the queue's items to other workers before pulling again (0: pull
+        now); `room_changed` cuts the wait short."""
+        ...
+
     def cancel(self, request_id: str) -> None:
         """The client went away: stop work on that request if held, or skip it later."""
         ...
@@ -115,6 +120,9 @@ class SchedulerBase:
     def accept(self, item: WorkItem) -> None:
         self._pending.append(item)
         self._arrived.set()
+
+    def pull_after_s(self) -> float:
+        return 0.0
 
     def stop_accepting(self) -> None:
         self._accepting = False
