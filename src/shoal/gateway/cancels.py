@@ -2,8 +2,9 @@
 
 Every worker of a model hears every cancel (the request may be queued, pulled or running on
 any of them), so a cancel costs one delivery per worker. Clients leave in bursts (a load
-balancer's timeout, a crashed caller with many connections, a benchmark's end), and a burst
-of 1,536 one-id cancels to 16 workers was 24,576 deliveries, each a callback in a worker. So
+balancer's timeout, a crashed caller with many connections, a benchmark's end): 1,536
+clients leaving at once with 16 workers was ~22,000 deliveries, each a callback in a worker
+(bench/cancel_flood.py; 146-188 grouped as below). So
 the cancels raised in one turn of the event loop go out together: one message per model with
 the request ids one per line (`protocol.encode_cancels`), at most `IDS_PER_MESSAGE` each.
 """
@@ -12,12 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import Awaitable, Callable
 
 from shoal.protocol import cancel_subject, encode_cancels
-
-log = logging.getLogger(__name__)
 
 # ~33 bytes an id: a message of ~33 KB, far below NATS's 1 MB default payload limit.
 IDS_PER_MESSAGE = 1000

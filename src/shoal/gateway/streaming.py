@@ -83,8 +83,8 @@ class WaitingRequests:
         waiting = self._waiting.pop(future, None)
         if waiting is None:
             return
-        if waiting.told_when_gone:  # cycle -> hook -> this -> receive -> cycle: broken here
-            waiting.receive.__self__.on_lost = None  # type: ignore[attr-defined]
+        if waiting.cycle is not None:  # cycle -> hook -> this -> cycle: broken here
+            waiting.cycle.on_lost = None
         elif waiting.watch is not None:
             waiting.watch.cancel()
 
@@ -98,7 +98,7 @@ class WaitingRequests:
                 continue
             if now >= waiting.deadline:
                 future.set_exception(TimeoutError())
-            elif waiting.told_when_gone or waiting.started > young:
+            elif waiting.cycle is not None or waiting.started > young:
                 break  # the rest are in time, and told or younger still
             elif waiting.watch is None:
                 waiting.watch = asyncio.ensure_future(_fail_when_gone(waiting.receive, future))
@@ -115,7 +115,7 @@ class WaitingRequests:
 
 
 class _Waiting:
-    __slots__ = ("deadline", "future", "receive", "started", "told_when_gone", "watch")
+    __slots__ = ("cycle", "deadline", "future", "receive", "started", "watch")
 
     def __init__(
         self, future: asyncio.Future[Any], receive: Receive, started: float, deadline: float
@@ -129,12 +129,12 @@ class _Waiting:
         # calls `on_lost` when its connection is lost; under another server `receive` carries
         # no such hook and the sweep watches instead.
         cycle = getattr(receive, "__self__", None)
-        self.told_when_gone = hasattr(cycle, "on_lost")
-        if self.told_when_gone:
-            if cycle.disconnected:  # gone before it got here
+        self.cycle = cycle if hasattr(cycle, "on_lost") else None
+        if self.cycle is not None:
+            if self.cycle.disconnected:  # gone before it got here
                 self.client_gone()
             else:
-                cycle.on_lost = self.client_gone
+                self.cycle.on_lost = self.client_gone
 
     def client_gone(self) -> None:
         if not self.future.done():

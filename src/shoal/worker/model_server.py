@@ -571,9 +571,10 @@ def messages_for_room(room: int, message_sizes: Iterable[int]) -> int:
     As many as fit even if each is as large as the largest lately; what is left is pulled
     next. Sized on the average, a pull overshot the room about half the time, and the
     requests past the budget waited a whole batch here while another worker could have run
-    them: p99 at 90% load on the simulated 100 ms device 356 / 383 ms with 16 / 32 workers
-    on the average, 321 / 360 on the largest (docs/benchmarks.md, "Pulls that fit the
-    room"). At least one: a room smaller than one message still pulls one.
+    them: p99 at 90% load on the simulated 100 ms device with 16 workers 349-354 ms on the
+    average, 322-335 on the largest (at 32 workers the runs spread more than it moved;
+    docs/benchmarks.md, "Pulls that fit the room"). At least one: a room smaller than one
+    message still pulls one.
     """
     return max(1, room // max(message_sizes, default=1))
 

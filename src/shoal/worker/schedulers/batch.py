@@ -8,7 +8,7 @@ never waits for the network. On a slow device it pulls late in the batch, not at
 worker that frees up first takes them, until `PULL_LEAD_S` before the batch is expected to
 end. Pulled at the batch's start, they waited out the rest of it behind this worker while
 another could have run them (simulated 100 ms device at 90% load, 16 and 32 workers: median
-latency 240 / 255 ms pulling at once, 173 / 194 ms pulling late; docs/benchmarks.md).
+latency 240 / 255 ms pulling at once, 174 / 185 ms pulling late; docs/benchmarks.md).
 """
 
 from __future__ import annotations
