@@ -439,7 +439,7 @@ class ModelServer:
                 continue
             messages = messages_for_room(room, self._message_sizes)
             try:
-                await puller.pull(messages, self._scheduler.pull_expires_s(self.settings.poll_s))
+                await puller.pull(messages, self.settings.poll_s)
             except Exception as err:  # a reconnect in progress: try again shortly
                 log.warning("pull failed: %s", err)
                 await asyncio.sleep(0.2)

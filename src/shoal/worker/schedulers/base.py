@@ -87,10 +87,6 @@ class Scheduler(Protocol):
         now); `room_changed` cuts the wait short."""
         ...
 
-    def pull_expires_s(self, longest_s: float) -> float:
-        """How long the next pull request may wait for messages, at most `longest_s`."""
-        ...
-
     def cancel(self, request_id: str) -> None:
         """The client went away: stop work on that request if held, or skip it later."""
         ...
@@ -127,9 +123,6 @@ class SchedulerBase:
 
     def pull_after_s(self) -> float:
         return 0.0
-
-    def pull_expires_s(self, longest_s: float) -> float:
-        return longest_s
 
     def stop_accepting(self) -> None:
         self._accepting = False

@@ -32,12 +32,6 @@ log = logging.getLogger(__name__)
 # pull takes on a LAN (~1 ms), so the device does not wait for the network even when the
 # curve overestimates the batch by a few ms. A batch shorter than this is pulled for at once.
 PULL_LEAD_S = 0.010
-# How long a pull request waits for messages on a device whose batches last at least twice as
-# long. A request still open when a batch starts (an idle worker's, or a late pull that found
-# the queue empty) goes on taking items, and JetStream cannot cancel it: with the fill loop's
-# 1 s those items waited out the whole batch behind this worker while others freed up. A
-# short one ends early in the batch; what it costs is a pull request every 20 ms while idle.
-SHORT_PULL_EXPIRES_S = 0.020
 
 
 def batch_handler(spec: ModelSpec, runtime) -> BatchTask:
@@ -58,7 +52,6 @@ class BatchScheduler(SchedulerBase):
         self._curve_profile = ctx.profiled_latency_s
         self._load = LoadMeter()
         self._running_until = 0.0  # the running batch's expected end (monotonic)
-        self._one_item_s = _one_item_s(self._curve.fit())  # the shortest batch, predicted
 
     def room(self) -> int:
         return self._ctx.settings.max_batch_items - len(self._pending)
@@ -70,11 +63,6 @@ class BatchScheduler(SchedulerBase):
         if not self._running:
             return 0.0
         return max(0.0, self._running_until - PULL_LEAD_S - time.monotonic())
-
-    def pull_expires_s(self, longest_s: float) -> float:
-        if self._one_item_s >= 2 * SHORT_PULL_EXPIRES_S:
-            return min(longest_s, SHORT_PULL_EXPIRES_S)
-        return longest_s
 
     def cancel(self, request_id: str) -> None:
         # A running batch is short and runs to its end; a cancelled item not yet run is
@@ -88,7 +76,6 @@ class BatchScheduler(SchedulerBase):
                 self._curve_profile = self._ctx.profiled_latency_s
                 self._curve.use_profile(self._curve_profile)
             fit = self._curve.fit()  # once a batch: a least-squares fit over ~70 points
-            self._one_item_s = _one_item_s(fit)
             if settings.adaptive_batch_wait:
                 await self._wait_for_fuller_batch(fit)
             batch = take_batch(self._pending, settings.max_batch_items, settings.max_batch_tokens)
@@ -176,8 +163,3 @@ class BatchScheduler(SchedulerBase):
             await self._ack(item)
         self._running = []
         ctx.room_changed.set()  # a fill loop waiting for the batch's end pulls now
-
-
-def _one_item_s(fit: CostFit | None) -> float:
-    """A batch of one item's predicted seconds; 0 with no curve yet."""
-    return fit.seconds(1) if fit is not None else 0.0
