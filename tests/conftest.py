@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,10 +21,13 @@ from shoal.broker.connection import connect
 from shoal.broker.embedded import EmbeddedNats
 from shoal.broker.jetstream import ensure_work_stream
 from shoal.cluster_auth import ADMIN, ClusterCredentials
-from shoal.config import NatsAuth, QueueSettings
+from shoal.config import NatsAuth, QueueSettings, WorkerSettings
+from shoal.observability.metrics import BusyMeter, WorkerMetrics
 from shoal.protocol import ModelSpec, encode_json, name_token
 from shoal.state.deployments import ensure_models_kv
 from shoal.state.workers import WorkerState, WorkerStatus, read_worker_statuses
+from shoal.worker.outbox import Outbox
+from shoal.worker.schedulers.base import SchedulerContext
 
 # Short enough that the SIGKILL test sees redelivery within seconds.
 TEST_ENV = {"SHOAL_ACK_WAIT": "2", "SHOAL_THREADS": "1", "SHOAL_LOG_LEVEL": "WARNING"}
@@ -155,6 +159,22 @@ def worker_status(
         if status.pid == pid and (state is None or status.state == state):
             return status
     return None
+
+
+def scheduler_context(
+    nc, settings: WorkerSettings, model: str, **parts: object
+) -> SchedulerContext:
+    """A scheduler's parts around a real NATS connection, for a test that drives a scheduler
+    alone on the SIMULATED runtime; the caller shuts its executor down."""
+    metrics = WorkerMetrics(model, "sim", simulated=True)
+    return SchedulerContext(
+        settings=settings,
+        outbox=Outbox(nc, metrics),
+        executor=ThreadPoolExecutor(1),
+        metrics=metrics,
+        busy=BusyMeter(),
+        **parts,
+    )
 
 
 def deploy_without_workers(

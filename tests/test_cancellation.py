@@ -11,22 +11,18 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import nats.errors
 import pytest
-from conftest import worker_status
+from conftest import scheduler_context, worker_status
 
 from shoal.broker.connection import connect
 from shoal.config import WorkerSettings
-from shoal.observability.metrics import BusyMeter, WorkerMetrics
 from shoal.protocol import Endpoint, now_ms
 from shoal.runtimes.sim_generate import SimGenerationRuntime
 from shoal.state.workers import WorkerState
 from shoal.worker.items import WorkItem
-from shoal.worker.outbox import Outbox
-from shoal.worker.schedulers.base import SchedulerContext
 from shoal.worker.schedulers.continuous import ContinuousScheduler
 
 ABANDONED = 2000
@@ -134,14 +130,7 @@ def test_a_cancel_during_a_requests_first_step_ends_it(nats_server):
 async def _cancel_during_first_step(url: str) -> None:
     nc = await connect(url, name="cancel-race")
     answers = await nc.subscribe("test.cancel-race.replies")
-    metrics = WorkerMetrics("sim-race", "sim", simulated=True)
-    ctx = SchedulerContext(
-        settings=WorkerSettings(nats_url=url),
-        outbox=Outbox(nc, metrics),
-        executor=ThreadPoolExecutor(1),
-        metrics=metrics,
-        busy=BusyMeter(),
-    )
+    ctx = scheduler_context(nc, WorkerSettings(nats_url=url), "sim-race")
     scheduler = ContinuousScheduler(ctx, SimGenerationRuntime("sim-race", {"step_ms": 200}))
     running = asyncio.create_task(scheduler.run())
     try:

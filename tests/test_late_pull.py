@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
+
+from conftest import scheduler_context
 
 from shoal.broker.connection import connect
 from shoal.config import WorkerSettings
-from shoal.observability.metrics import BusyMeter, WorkerMetrics
 from shoal.protocol import Endpoint, Task, now_ms
 from shoal.runtimes.sim import SimEmbeddingRuntime
 from shoal.worker.items import WorkItem
-from shoal.worker.outbox import Outbox
-from shoal.worker.schedulers.base import SchedulerContext
 from shoal.worker.schedulers.batch import PULL_LEAD_S, BatchScheduler
 from shoal.worker.tasks.embed import EmbeddingsHandler
 
@@ -30,15 +28,9 @@ async def _pull_after_during_a_batch(url: str, batch_s: float) -> tuple[float, f
     `pull_after_s` once it ended."""
     nc = await connect(url, name="late-pull")
     answers = await nc.subscribe("test.late-pull.replies")
-    metrics = WorkerMetrics("sim-late", "sim", simulated=True)
-    ctx = SchedulerContext(
-        settings=WorkerSettings(nats_url=url, max_batch_items=32, adaptive_batch_wait=False),
-        outbox=Outbox(nc, metrics),
-        executor=ThreadPoolExecutor(1),
-        metrics=metrics,
-        busy=BusyMeter(),
-        profiled_latency_s={n: batch_s for n in (1, 8, 32)},
-    )
+    settings = WorkerSettings(nats_url=url, max_batch_items=32, adaptive_batch_wait=False)
+    profile = {n: batch_s for n in (1, 8, 32)}
+    ctx = scheduler_context(nc, settings, "sim-late", profiled_latency_s=profile)
     runtime = SimEmbeddingRuntime("sim-late", {"batch_ms": batch_s * 1000, "token_us": 0})
     scheduler = BatchScheduler(ctx, EmbeddingsHandler(runtime, "sim-late", {}), Task.EMBEDDINGS)
     running = asyncio.create_task(scheduler.run())
