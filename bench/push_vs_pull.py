@@ -77,7 +77,8 @@ def start(name: str, workers: int, spec: ModelSpec, args: argparse.Namespace):
         extra = ["--model", spec.name, *options] if spec.runtime == "sim" else []
         # shoal-eager: the same cluster with the adaptive batch wait off.
         wait = ["--batch-wait", "off" if name == "shoal-eager" else "adaptive"]
-        cluster = UpCluster(*extra, *batch, *wait, "--workers", str(workers))
+        gateways = ["--gateways", str(args.gateways)]
+        cluster = UpCluster(*extra, *batch, *wait, *gateways, "--workers", str(workers))
         return _Started(name, cluster, UpCluster.metrics_urls)
     if name in POLICIES:
         cluster = PushCluster(
@@ -214,6 +215,7 @@ def main() -> None:
     parser.add_argument("--max-batch-items", type=int, default=0, help="0: 32 sim, 128 torch")
     parser.add_argument("--cap", type=int, default=0, help="push in-flight cap; 0: 2 x batch")
     parser.add_argument("--max-wait-ms", type=float, default=0.0, help="push workers' batch wait")
+    parser.add_argument("--gateways", type=int, default=1, help="Shoal's gateway processes")
     parser.add_argument("--batch-ms", type=float, default=100.0, help="sim: fixed cost per batch")
     parser.add_argument("--token-us", type=float, default=100.0, help="sim: cost per token")
     parser.add_argument("--out", default=None, help="default push_vs_pull_<runtime>[_<sizes>]")
@@ -260,6 +262,7 @@ def _merge(path: Path, args: argparse.Namespace, spec: ModelSpec, workers: int, 
         "max_batch_items": args.max_batch_items,
         "push_cap": args.cap,
         "push_max_wait_ms": args.max_wait_ms,
+        "gateways": args.gateways,
         "sizes": args.sizes,
         "seconds": args.seconds,
         "loads": args.loads,

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import msgspec
-from conftest import wait_until, worker_status
+from conftest import worker_status
 
 from shoal.broker.connection import connect
 from shoal.runtimes.sim import SimEmbeddingRuntime
@@ -67,10 +67,15 @@ class BusyAtFirst(SimEmbeddingRuntime):
         return output
 
 
+def _profile(runtime: SimEmbeddingRuntime):
+    with ThreadPoolExecutor(1) as executor:
+        return asyncio.run(profile_batches(runtime, 1.0, executor))
+
+
 def test_a_busy_spell_during_the_first_pass_does_not_move_the_profile():
-    quiet = profile_batches(BusyAtFirst(busy_s=0), latency_target_s=1.0)
+    quiet = _profile(BusyAtFirst(busy_s=0))
     # Busy for most of the first of the three passes (9 sizes, each >= 0.12 s while slowed).
-    busy = profile_batches(BusyAtFirst(busy_s=1.0), latency_target_s=1.0)
+    busy = _profile(BusyAtFirst(busy_s=1.0))
     assert busy.chosen == quiet.chosen == 256  # a flat 20 ms a batch: the largest size
     for size, seconds in busy.latency_s.items():
         assert seconds < 1.3 * quiet.latency_s[size], (size, seconds, quiet.latency_s[size])
@@ -130,24 +135,33 @@ def test_a_worker_profiles_again_when_service_contradicts_a_busy_profile(
     worker = launcher.worker(nats_server.url, model, *sim)
     assert worker_status(nats_server.url, worker.pid, WorkerState.READY).max_batch_items == 4
 
-    # Load enough for the audit's window: batches of at most 4, each 20 ms instead of 60.
-    with httpx.Client(timeout=30) as client:
-        pool = ThreadPoolExecutor(16)
-        body = {"model": model, "input": "x"}
-        statuses = list(
-            pool.map(
-                lambda _: client.post(f"{gateway_url}/v1/embeddings", json=body).status_code,
-                range(8 * AUDIT_BATCHES),
-            )
-        )
-        pool.shutdown()
-    assert statuses == [200] * len(statuses)
-
     def profiled_again():
         status = worker_status(nats_server.url, worker.pid, WorkerState.READY)
         return status if status and status.max_batch_items == 256 else None
 
-    wait_until(profiled_again, 30, worker)
+    # Load enough for the audit's window (batches of at most 4, each 20 ms instead of 60),
+    # then on until the new budget is in: the audit fires mid-load, and the sweep (9 sizes,
+    # 3 passes, >= 0.1 s each: ~3 s) runs under traffic.
+    body = {"model": model, "input": "x"}
+    latencies: list[float] = []
+    with httpx.Client(timeout=30) as client:
+
+        def post(_: int) -> int:
+            began = time.monotonic()
+            status = client.post(f"{gateway_url}/v1/embeddings", json=body).status_code
+            latencies.append(time.monotonic() - began)
+            return status
+
+        with ThreadPoolExecutor(16) as pool:
+            statuses = list(pool.map(post, range(8 * AUDIT_BATCHES)))
+        deadline = time.monotonic() + 30
+        while profiled_again() is None and time.monotonic() < deadline:
+            statuses.append(post(0))
+    assert statuses == [200] * len(statuses)
+    assert profiled_again() is not None
+    # It served on while it profiled: the sweep runs batch by batch in the worker's executor
+    # and requests' batches queue between. As one job it held them for its whole ~3 s.
+    assert max(latencies) < 1.0, sorted(latencies)[-5:]
     stored = _profiles(nats_server.url, model)[key]
     assert stored.max_batch_items == 256 and stored.profiled_by != "a busy machine"
     assert stored.latency_s[4] < 2 * good.latency_s[4]
