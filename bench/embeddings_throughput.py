@@ -99,6 +99,7 @@ def main() -> None:
             in_process.append(model.rate(best_batch, args.seconds))
             for encoding in args.encodings:
                 cluster[encoding].append(_measure_cluster(up, args, encoding))
+        warnings = up.logged_warnings()
     limit = statistics.median(in_process)
     through = {e: statistics.median(run["load"].rps for run in runs) for e, runs in cluster.items()}
     ratios = {encoding: rate / limit for encoding, rate in through.items()}
@@ -120,6 +121,8 @@ def main() -> None:
             )
     for encoding, ratio in ratios.items():
         print(f"median ratio cluster ({encoding}) / in-process best: {ratio:.3f}")
+    for line in warnings:
+        print(f"cluster: {line}")
     path = write_result(
         args.out,
         {
@@ -135,6 +138,7 @@ def main() -> None:
             "median_in_process": limit,
             "median_cluster": through,
             "ratio": ratios,
+            "cluster_warnings": warnings,
         },
     )
     print(f"wrote {path}")

@@ -78,6 +78,11 @@ class UpCluster:
         self.process.wait(60)
         shutil.rmtree(self.state_dir, ignore_errors=True)
 
+    def logged_warnings(self) -> list[str]:
+        """The cluster's warnings and errors among its last 200 lines of output (a worker
+        that profiles again says so: a stall in a bench's figures can be told apart)."""
+        return [line.rstrip() for line in self.output if " WARNING " in line or " ERROR " in line]
+
     @property
     def nats_url(self) -> str:
         """The cluster's embedded NATS, as `shoal up` wrote it into its state directory."""

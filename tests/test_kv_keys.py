@@ -38,3 +38,27 @@ def test_listing_keys_leaves_no_consumer_behind(nats_server):
     assert keys == ["a", "b"] and empty == []
     assert just_after >= 1  # the listings' consumers exist for a moment ...
     assert later == 0, f"{later} consumers left {time.monotonic() - started:.0f} s later"
+
+
+def test_a_key_written_just_before_a_listing_is_in_it(nats_server):
+    """nats.py's watch can say "all seen" before the first entry has been read: the listing
+    missed a key written just before it ~30 times in 1,000 (the CLI test of `shoal keys
+    list` failed so once in the suite). Deleted keys stay out."""
+
+    async def run() -> list[tuple[int, list[str]]]:
+        nc = await connect(nats_server.url, name="test")
+        try:
+            kv = await ensure_bucket(nc.jetstream(), "test_list_race")
+            await kv.put("gone", b"x")
+            await kv.delete("gone")
+            wrong = []
+            for i in range(300):
+                await kv.put(f"k{i}", b"x" * 100)
+                keys = await list_keys(kv)
+                if sorted(keys) != sorted(f"k{n}" for n in range(i + 1)):
+                    wrong.append((i, keys))
+            return wrong
+        finally:
+            await nc.close()
+
+    assert asyncio.run(run()) == []

@@ -630,6 +630,11 @@ def _deploy(args: argparse.Namespace) -> int:
         raise SystemExit("shoal deploy: --base and --lora go together")
 
     async def run() -> int:
+        # Before "deployed" is printed: a Ctrl-C right after it (the CLI test sends one then)
+        # could land before the wait had set its handler (it first imports its modules: slow
+        # on a busy machine), in asyncio.run's own, whose cancel nats.py can swallow, and the
+        # wait ran on to its timeout (the likely cause of that test's one timeout in CI).
+        stopped = _stop_on_ctrl_c() if args.wait else None
         async with _jetstream(args, "shoal-deploy") as js:
             if args.lora:
                 spec = await lora_spec(js, args.name, args.base, args.lora)
@@ -637,7 +642,11 @@ def _deploy(args: argparse.Namespace) -> int:
                 spec = _model_spec(args, name=args.name)
             await deploy(js, spec, QueueSettings.from_environment())
         print(f"deployed {spec.name} ({spec.runtime}, {spec.task.value})", flush=True)
-        return await _wait_until_loaded(args, spec.name) if args.wait else 0
+        if stopped is None:
+            return 0
+        if stopped.is_set():
+            return 130  # Ctrl-C while deploying: deployed, not waited for
+        return await _wait_until_loaded(args, spec.name, stopped)
 
     # One event loop for both steps: a Ctrl-C between two loops could land in the first one's
     # teardown (printed as an ignored exception, then lost).
@@ -649,16 +658,15 @@ def _deploy(args: argparse.Namespace) -> int:
         return 130
 
 
-async def _wait_until_loaded(args: argparse.Namespace, model: str) -> int:
+async def _wait_until_loaded(args: argparse.Namespace, model: str, stopped: asyncio.Event) -> int:
     """`deploy --wait`: print each worker's load state as it changes until one is READY (0);
-    1 when a worker reports FAILED or after --timeout."""
+    1 when a worker reports FAILED or after --timeout; 130 once `stopped` (Ctrl-C) is set."""
     from shoal.state.fleet import LoadProgress
     from shoal.state.workers import WorkerState, read_worker_statuses
 
     progress = LoadProgress(model)
     deadline = time.monotonic() + args.timeout
     seen_any = False
-    stopped = _stop_on_ctrl_c()
     nc = await _connect(args, "shoal-deploy-wait")
     try:
         while time.monotonic() < deadline:
