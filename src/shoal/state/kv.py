@@ -9,7 +9,6 @@ import logging
 from collections.abc import Callable
 from typing import TypeVar
 
-import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig
@@ -22,10 +21,6 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 _DELETE_OPS = frozenset({"DEL", "PURGE"})
-# How long the server keeps a finished key listing's consumer (it has no subscriber by then).
-KEYS_WATCH_INACTIVE_S = 5.0
-# How long a key listing waits for the next of the entries the bucket held when it began.
-_NEXT_ENTRY_TIMEOUT_S = 5.0
 
 
 async def ensure_bucket(js: JetStreamContext, bucket: str, ttl_s: float | None = None) -> KeyValue:
@@ -52,44 +47,25 @@ async def read_value(kv: KeyValue, key: str, decode: Callable[[bytes], T]) -> T 
     """The decoded value of a key; None when it is missing or empty (a claim, a delete)."""
     try:
         entry = await kv.get(key)
-    except nats.js.errors.KeyNotFoundError:
+    except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
         return None
     return decode(entry.value) if entry.value else None
 
 
 async def list_keys(kv: KeyValue) -> list[str]:
-    """Every key in the bucket (none: an empty list).
+    """Every key with a message in the bucket: a deleted key's marker counts (`read_value`
+    reads it as None).
 
-    Not nats.py's `kv.keys()`: its watch's consumer stays on the server for 5 minutes after the
-    call returns, so a caller that polls (`shoal status --watch`, a test waiting for a worker)
-    piles up hundreds of them until the server refuses new consumers ("maximum consumers
-    limit reached", seen in the test suite). This one is dropped seconds after it is done.
-
-    Nor its "all seen" marker: nats.py puts it first when the consumer has nothing pending
-    and the client has not yet read a message, which is also the case while the bucket's
-    entries are on their way, so a key written just before was missing about 1 time in 300
-    (`shoal keys list` in the test suite). The listing ends at the entry delivered with
-    nothing pending after it instead, and the bucket's message count says when there is none.
-    """
-    if (await kv.status()).values == 0:
-        return []
-    watcher = await kv.watchall(meta_only=True, inactive_threshold=KEYS_WATCH_INACTIVE_S)
-    keys = []
-    try:
-        while True:
-            try:
-                entry = await watcher.updates(timeout=_NEXT_ENTRY_TIMEOUT_S)
-            except nats.errors.TimeoutError:
-                break  # the entries counted expired meanwhile (a bucket with a TTL)
-            if entry is None:
-                continue  # the marker, possibly early
-            if entry.operation not in _DELETE_OPS:
-                keys.append(entry.key)
-            if entry.delta == 0:
-                break
-    finally:
-        await watcher.stop()
-    return keys
+    From the stream's subjects, one request, a snapshot. Not a watch: nats.py's `kv.keys()`
+    leaves its consumer on the server for 5 minutes (a caller that polls piled up hundreds,
+    until the server refused new consumers), its "all seen" marker can come before the first
+    entry has been read (a key written just before was missing 30 times in 1,000), and with
+    one value a key, a key rewritten while the watch reads loses the message the watch was
+    about to deliver (16 keys rewritten every 10 ms: listings of 10 to 16)."""
+    # nats.py's KeyValue keeps its JetStream context, stream and key prefix private.
+    info = await kv._js.stream_info(kv._stream, subjects_filter=f"{kv._pre}>")
+    prefix = len(kv._pre)
+    return [subject[prefix:] for subject in (info.state.subjects or {})]
 
 
 async def read_all(kv: KeyValue, decode: Callable[[bytes], T]) -> list[T]:
