@@ -437,7 +437,11 @@ async def measure_and_store(
         loop = asyncio.get_running_loop()
         measured = await loop.run_in_executor(executor, profile_sequences, runtime, targets.token_s)
     else:
-        measured = await profile_batches(runtime, targets.batch_s, executor)  # type: ignore[arg-type]
+        measured = await profile_batches(
+            runtime,  # type: ignore[arg-type]
+            targets.batch_s,
+            executor,
+        )
     profile = BatchProfile(
         model=spec.name,
         runtime=spec.runtime,
