@@ -73,7 +73,11 @@ def test_sigkill_mid_load_loses_nothing(nats_server, session_launcher, gateway_u
     args = ("--runtime", "sim", "--option", "batch_ms=40", "--max-batch-items", "4")
     victim = session_launcher.worker(nats_server.url, model, *args)
     survivor = session_launcher.worker(nats_server.url, model, *args)
-    texts = [f"kill test {i}" for i in range(200)]
+    # Two workers answer ~200 items a second; statuses come once a second, so the victim may
+    # be seen to have started only a second or more into the load. With 200 texts the load
+    # could be over by then, the victim holding nothing to redeliver (a CI failure); 600 last
+    # ~3 s.
+    texts = [f"kill test {i}" for i in range(600)]
 
     async def load_and_kill() -> list[httpx.Response]:
         load = asyncio.create_task(_send_all(gateway_url, model, texts, concurrency=32))
@@ -83,6 +87,7 @@ def test_sigkill_mid_load_loses_nothing(nats_server, session_launcher, gateway_u
             if status is not None and status.items_done >= 8:
                 break
             await asyncio.sleep(0.05)
+        assert not load.done(), "the load ended before the victim was seen working"
         victim.process.send_signal(signal.SIGKILL)
         return await load
 
