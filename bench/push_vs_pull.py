@@ -41,6 +41,7 @@ from bench.loadgen import LoadSpec, run_load
 from bench.push.cluster import PushCluster
 from bench.push.router import POLICIES
 from shoal.catalog import resolve_model
+from shoal.config import local_gateway_processes
 from shoal.protocol import ModelSpec
 
 PEERS = ("ray", "infinity")
@@ -77,7 +78,7 @@ def start(name: str, workers: int, spec: ModelSpec, args: argparse.Namespace):
         extra = ["--model", spec.name, *options] if spec.runtime == "sim" else []
         # shoal-eager: the same cluster with the adaptive batch wait off.
         wait = ["--batch-wait", "off" if name == "shoal-eager" else "adaptive"]
-        gateways = ["--gateways", str(args.gateways)]
+        gateways = ["--gateways", str(args.gateways)] if args.gateways else []
         cluster = UpCluster(*extra, *batch, *wait, *gateways, "--workers", str(workers))
         return _Started(name, cluster, UpCluster.metrics_urls)
     if name in POLICIES:
@@ -215,7 +216,9 @@ def main() -> None:
     parser.add_argument("--max-batch-items", type=int, default=0, help="0: 32 sim, 128 torch")
     parser.add_argument("--cap", type=int, default=0, help="push in-flight cap; 0: 2 x batch")
     parser.add_argument("--max-wait-ms", type=float, default=0.0, help="push workers' batch wait")
-    parser.add_argument("--gateways", type=int, default=1, help="Shoal's gateway processes")
+    parser.add_argument(
+        "--gateways", type=int, default=0, help="Shoal's gateway processes; 0: shoal up's default"
+    )
     parser.add_argument("--batch-ms", type=float, default=100.0, help="sim: fixed cost per batch")
     parser.add_argument("--token-us", type=float, default=100.0, help="sim: cost per token")
     parser.add_argument("--out", default=None, help="default push_vs_pull_<runtime>[_<sizes>]")
@@ -262,7 +265,7 @@ def _merge(path: Path, args: argparse.Namespace, spec: ModelSpec, workers: int, 
         "max_batch_items": args.max_batch_items,
         "push_cap": args.cap,
         "push_max_wait_ms": args.max_wait_ms,
-        "gateways": args.gateways,
+        "gateways": args.gateways or local_gateway_processes(os.cpu_count()),
         "sizes": args.sizes,
         "seconds": args.seconds,
         "loads": args.loads,

@@ -14,9 +14,11 @@ from pathlib import Path
 
 import numpy as np
 import openai
+import psutil
 import pytest
-from conftest import TEST_ENV, free_port
+from conftest import TEST_ENV, free_port, wait_until
 
+from shoal.config import local_gateway_processes
 from shoal.runtimes.sim import pseudo_embedding
 
 
@@ -80,6 +82,14 @@ class UpProcess:
         ).stdout
 
 
+def _gateway_serving_processes(up: UpProcess) -> list[psutil.Process]:
+    """uvicorn's serving processes (started by multiprocessing) under up's gateway child."""
+    gateway = next(
+        c for c in psutil.Process(up.process.pid).children() if "gateway" in c.cmdline()[:4]
+    )
+    return [c for c in gateway.children() if "spawn_main" in " ".join(c.cmdline())]
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -116,7 +126,19 @@ def test_up_with_two_sim_workers(tmp_path):
     status = up.shoal("status")
     assert status.count("sim-embed") == 2 and "sim (sim)" in status
     assert len(up.descendants()) >= 4  # nats-server, gateway, two workers
+    # The gateway's processes by the machine's cores: two on CI's two.
+    expected = local_gateway_processes(os.cpu_count())
+    if expected > 1:
+        assert wait_until(lambda: len(_gateway_serving_processes(up)) == expected, 10)
     _assert_stops_cleanly(up, signal.SIGINT)
+
+
+@pytest.mark.parametrize(
+    ("cores", "processes"),
+    [(None, 1), (1, 1), (2, 2), (4, 2), (8, 2), (12, 3), (16, 4), (32, 8), (128, 8)],
+)
+def test_up_gives_the_gateway_processes_by_cores(cores, processes):
+    assert local_gateway_processes(cores) == processes
 
 
 def test_a_second_up_on_the_same_state_dir_is_refused(tmp_path):

@@ -35,6 +35,7 @@ from shoal.config import (
     WorkerSettings,
     default_memory_budget_mb,
     env_default,
+    local_gateway_processes,
 )
 from shoal.protocol import ModelSpec, Task, is_valid_model_name
 from shoal.runtimes.registry import check_runtime
@@ -121,7 +122,8 @@ def _add_batching(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_gateway(parser: argparse.ArgumentParser) -> None:
+def _add_gateway(parser: argparse.ArgumentParser, processes: int) -> None:
+    """The gateway's flags; `processes`: --gateways' default (before SHOAL_GATEWAYS)."""
     parser.add_argument("--host", default=env_default("HOST", GatewaySettings.host))
     parser.add_argument("--port", type=int, default=env_default("PORT", GatewaySettings.port))
     parser.add_argument(
@@ -179,8 +181,9 @@ def _add_gateway(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gateways",
         type=int,
-        default=env_default("GATEWAYS", GatewaySettings.processes),
-        help="gateway processes sharing the port; one serves about a core's worth of requests",
+        default=env_default("GATEWAYS", processes),
+        help="gateway processes sharing the port; one serves about a core's worth of requests "
+        f"(default here: {processes})",
     )
 
 
@@ -190,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = commands.add_parser("up", help="embedded NATS + gateway + workers, in the foreground")
     _add_nats(up)
-    _add_gateway(up)
+    _add_gateway(up, local_gateway_processes(os.cpu_count()))
     _add_model(up)
     _add_batching(up)
     _add_placement(up)
@@ -198,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gateway = commands.add_parser("gateway", help="the HTTP gateway alone")
     _add_nats(gateway)
-    _add_gateway(gateway)
+    _add_gateway(gateway, GatewaySettings.processes)
 
     worker = commands.add_parser("worker", help="a worker sidecar: one model, or a fleet")
     _add_nats(worker)

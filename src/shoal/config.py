@@ -182,6 +182,25 @@ class HttpTimeouts:
 
 API_KEY_MODES = ("auto", "required", "off")
 
+# One gateway process serves about a core's worth of requests: `shoal up` gives the gateway
+# one process per this many cores.
+CORES_PER_LOCAL_GATEWAY = 4
+MAX_LOCAL_GATEWAYS = 8
+
+
+def local_gateway_processes(cores: int | None) -> int:
+    """`shoal up`'s gateway processes on a machine with `cores` (None: unknown, one).
+
+    Two from 2 cores, then one per `CORES_PER_LOCAL_GATEWAY` cores, at most
+    `MAX_LOCAL_GATEWAYS`. On 2 cores two processes served 1.3x one's requests at 32 simulated
+    workers, level at 1 and 8, and level on the one-worker hot path (docs/benchmarks.md,
+    "Two gateway processes by default"); above 2 cores the rule is the per-process rate, not
+    a measurement. `shoal gateway` stays at one: a deployment scales it by replicas.
+    """
+    if cores is None or cores < 2:
+        return 1
+    return min(MAX_LOCAL_GATEWAYS, max(2, cores // CORES_PER_LOCAL_GATEWAY))
+
 
 @dataclass(frozen=True)
 class GatewaySettings:

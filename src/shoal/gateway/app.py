@@ -89,6 +89,9 @@ _CLIENT_CLOSED = 499  # nginx's status for "client closed request": metrics only
 # A request that waits longer than this for its result starts watching for its client's
 # disconnect (gateway/streaming.py, WaitingRequests).
 DISCONNECT_WATCH_AFTER_S = 0.2
+# How long one of several gateway processes on a port waits for NATS before it serves
+# (`Gateway.startup`): a local connection takes well under a second.
+FIRST_CONNECTION_WAIT_S = 5.0
 # Stripe's limit; a key is a client's request id, not a payload.
 MAX_IDEMPOTENCY_KEY_CHARS = 255
 # Tries (0.5 s apart) to free an idempotency key while NATS is away: past them the claim is
@@ -159,7 +162,19 @@ class Gateway:
     # -- lifecycle -----------------------------------------------------------------------
 
     async def startup(self) -> None:
+        """Connect to NATS in the background; one of several processes on a port waits for
+        the connection first (at most `FIRST_CONNECTION_WAIT_S`).
+
+        uvicorn accepts on the port only once this returns. A process that accepted before
+        it could queue would answer 503s while its siblings on the same port already serve:
+        a client told the gateway is ready (`/readyz` from one process) could then meet a
+        503 from another. A lone process serves at once (its `/readyz` says whether it can
+        queue), and so does one whose NATS is still away after the wait.
+        """
         self._connect_task = asyncio.create_task(self._connect())
+        if self.settings.processes > 1:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ready.wait(), FIRST_CONNECTION_WAIT_S)
 
     async def shutdown(self) -> None:
         self.waiting.stop()
