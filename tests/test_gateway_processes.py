@@ -4,6 +4,7 @@ and one that dies is started again while the others keep serving."""
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import signal
 import socket
@@ -14,6 +15,8 @@ import httpx
 import psutil
 from conftest import free_port, wait_until
 
+from shoal.config import GatewaySettings, NatsAuth
+from shoal.gateway import server
 from shoal.gateway.app import FIRST_CONNECTION_WAIT_S
 
 MODEL = "sim-gateways"
@@ -110,3 +113,20 @@ def _listens(port: int) -> bool:
     with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
         return True
     return False
+
+
+def test_the_processes_get_the_nats_password_from_its_file_not_the_environment(
+    tmp_path, monkeypatch
+):
+    """The settings go to uvicorn's processes through the environment, which /proc shows
+    for as long as they run: the NATS password stays out; each process reads its file."""
+    password = "secret-" + "p" * 24
+    password_file = tmp_path / "password"
+    password_file.write_text(password + "\n")
+    auth = NatsAuth.read(user="gateway", password_file=str(password_file))
+    settings = GatewaySettings(nats_url="nats://127.0.0.1:1", nats_auth=auth, processes=2)
+    monkeypatch.delenv("SHOAL_NATS_PASSWORD", raising=False)
+    monkeypatch.setenv(server._SETTINGS_ENV, "")  # removed again after the test
+    server._settings_to_environment(settings)
+    assert not any(password in value for value in os.environ.values())
+    assert server.app_from_environment().settings.nats_auth.password == password

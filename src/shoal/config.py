@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from shoal.protocol import ModelSpec
@@ -80,6 +80,18 @@ class NatsAuth:
             tls_key=_or_env(tls_key, "NATS_TLS_KEY"),
             inbox_prefix=_or_env(None, "NATS_INBOX_PREFIX") or DEFAULT_INBOX_PREFIX,
         )
+
+    def without_password(self) -> NatsAuth:
+        """This auth less its password, to hand to another process (`with_password_read`
+        there): a process's environment is readable in /proc for as long as it runs."""
+        return replace(self, password="")
+
+    def with_password_read(self) -> NatsAuth:
+        """This auth with its password read as `read` reads it: from `password_file`, else
+        from `SHOAL_NATS_PASSWORD`."""
+        if self.password_file:
+            return replace(self, password=read_secret_file(self.password_file))
+        return replace(self, password=os.environ.get("SHOAL_NATS_PASSWORD", ""))
 
     def environment(self, password_file: str = "") -> dict[str, str]:
         """The `SHOAL_NATS_*` variables that make a child process read this same auth.

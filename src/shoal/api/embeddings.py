@@ -195,10 +195,7 @@ def encode_embeddings_response(
     vectors = shorten(vectors, request.dimensions)
     if request.encoding_format == "base64":
         little_endian = vectors.astype("<f4", copy=False)
-        data: list[Any] = [
-            EmbeddingBase64(i, row.tobytes())
-            for i, row in enumerate(little_endian)
-        ]
+        data: list[Any] = [EmbeddingBase64(i, row.tobytes()) for i, row in enumerate(little_endian)]
         return encode_json(EmbeddingsResponse(data, model, Usage(tokens, tokens)))
     return _encode_floats(np.ascontiguousarray(vectors, dtype=np.float32), model, tokens)
 

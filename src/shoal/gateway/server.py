@@ -11,6 +11,7 @@ import atexit
 import os
 import shutil
 import tempfile
+from dataclasses import replace
 
 from shoal.config import GatewaySettings
 from shoal.gateway.app import Gateway
@@ -101,12 +102,16 @@ def _share_metrics() -> None:
 
 
 def _settings_to_environment(settings: GatewaySettings) -> None:
+    """The settings for the server's own processes, less the NATS password: each process
+    reads that again from where this one did (its file, else `SHOAL_NATS_PASSWORD`)."""
     import msgspec
 
-    os.environ[_SETTINGS_ENV] = msgspec.json.encode(settings).decode()
+    handed = replace(settings, nats_auth=settings.nats_auth.without_password())
+    os.environ[_SETTINGS_ENV] = msgspec.json.encode(handed).decode()
 
 
 def app_from_environment() -> Gateway:
     import msgspec
 
-    return Gateway(msgspec.json.decode(os.environ[_SETTINGS_ENV].encode(), type=GatewaySettings))
+    settings = msgspec.json.decode(os.environ[_SETTINGS_ENV].encode(), type=GatewaySettings)
+    return Gateway(replace(settings, nats_auth=settings.nats_auth.with_password_read()))
