@@ -20,14 +20,18 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 import pytest
-from conftest import Launcher, ShoalProcess, wait_until
+from conftest import Launcher, ShoalProcess, scheduler_context, wait_until
 
 from shoal.broker.connection import connect
 from shoal.broker.dlq import DLQ_STREAM, ensure_dlq_stream, list_dead_letters
 from shoal.broker.jetstream import read_backlog
+from shoal.catalog import resolve_model
+from shoal.config import WorkerSettings
 from shoal.protocol import (
     WORK_STREAM,
+    Endpoint,
     Result,
+    Task,
     WorkEnvelope,
     WorkRequest,
     decode_results,
@@ -35,7 +39,9 @@ from shoal.protocol import (
     now_ms,
     work_subject,
 )
-from shoal.runtimes.sim import pseudo_embedding
+from shoal.runtimes.sim import SimEmbeddingRuntime, pseudo_embedding
+from shoal.worker.items import WorkItem
+from shoal.worker.schedulers.batch import BatchScheduler, batch_handler
 
 MARKER = "POISON-PILL"
 MAX_DELIVER = 4
@@ -338,3 +344,52 @@ def test_poison_first_in_its_envelope_the_rest_answered(nats_server, cluster) ->
     entries = _nats(nats_server.url, list_dead_letters)
     assert len(entries) == 1 and len(entries[0].requests) == len(texts)
     assert ids[0] in entries[0].last_error
+
+
+def test_a_known_culprit_waits_for_suspects_still_being_looked_up(nats_server) -> None:
+    """The batch scheduler alone (real NATS, simulated runtime): a redelivered culprit that
+    comes in while another suspect message's attempt record is still being read runs after
+    that message's request, not before it. Run first, a real culprit took the other down
+    with the worker once more; with `max_deliver` reached, it was dead-lettered unanswered."""
+    asyncio.run(_culprit_after_a_late_suspect(nats_server.url))
+
+
+async def _culprit_after_a_late_suspect(url: str) -> None:
+    nc = await connect(url, name="culprit-order")
+    reply_to = "test.culprit-order.replies"
+    answered: list[str] = []
+
+    async def on_reply(msg) -> None:
+        answered.extend(result.request_id for result in decode_results(msg.data).results)
+
+    await nc.subscribe(reply_to, cb=on_reply)
+    ctx = scheduler_context(nc, WorkerSettings(nats_url=url), "sim-culprit")
+    runtime = SimEmbeddingRuntime("sim-culprit", {"batch_ms": 1})
+    scheduler = BatchScheduler(
+        ctx, batch_handler(resolve_model("sim-embed"), runtime), Task.EMBEDDINGS
+    )
+    running = asyncio.create_task(scheduler.run())
+    try:
+        scheduler.suspects_arriving(+1)  # an innocent suspect's record is being read
+        scheduler.accept(_suspect(reply_to, "culprit", culprit=True))
+        await asyncio.sleep(0.3)  # a slow record read
+        scheduler.accept(_suspect(reply_to, "innocent", culprit=False))
+        scheduler.suspects_arriving(-1)
+        deadline = time.monotonic() + 5
+        while len(answered) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert answered == ["innocent", "culprit"]
+    finally:
+        scheduler.stop_accepting()
+        await asyncio.wait_for(running, 5)
+        ctx.executor.shutdown()
+        await nc.close()
+
+
+def _suspect(reply_to: str, request_id: str, culprit: bool) -> WorkItem:
+    sent = now_ms()
+    body = b'{"model": "sim-culprit", "input": "%s"}' % request_id.encode()
+    item = WorkItem(None, request_id, reply_to, sent + 60_000, sent, 1, Endpoint.EMBEDDINGS, body)
+    item.deliveries = MAX_DELIVER
+    item.culprit = culprit
+    return item

@@ -357,6 +357,7 @@ class ModelServer:
         assert self._scheduler is not None
         if message.deliveries >= RUN_ALONE_FROM_DELIVERY and self.spec.task is not Task.GENERATE:
             # Suspect: its requests run alone, a known culprit last (worker/poison.py).
+            self._scheduler.suspects_arriving(+1)
             self._background(self._accept_suspect(message, envelope, adapter))
             return
         for request in envelope.requests:
@@ -406,13 +407,16 @@ class ModelServer:
         self, message: WorkMessage, envelope: WorkEnvelope, adapter: str | None
     ) -> None:
         assert self._scheduler is not None and self._recorder is not None
-        culprit = await self._recorder.culprit_of(message)
-        for request in envelope.requests:
-            item = WorkItem.from_request(message, envelope, request)
-            item.adapter = adapter
-            item.culprit = request.request_id == culprit
-            self._recorder.expect(item)
-            self._scheduler.accept(item)
+        try:
+            culprit = await self._recorder.culprit_of(message)
+            for request in envelope.requests:
+                item = WorkItem.from_request(message, envelope, request)
+                item.adapter = adapter
+                item.culprit = request.request_id == culprit
+                self._recorder.expect(item)
+                self._scheduler.accept(item)
+        finally:
+            self._scheduler.suspects_arriving(-1)
 
     def _background(self, work) -> None:
         task = asyncio.ensure_future(work)

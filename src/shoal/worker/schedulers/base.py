@@ -91,6 +91,11 @@ class Scheduler(Protocol):
         """The client went away: stop work on that request if held, or skip it later."""
         ...
 
+    def suspects_arriving(self, change: int) -> None:
+        """`change` (+1, -1) suspect messages being looked up (their attempt records read)
+        before their items are accepted: a known culprit waits for them (worker/poison.py)."""
+        ...
+
     def stop_accepting(self) -> None:
         """No more items will arrive: `run` returns once everything held is answered."""
         ...
@@ -116,9 +121,14 @@ class SchedulerBase:
         self._arrived = asyncio.Event()
         self._accepting = True
         self._cancelled: dict[str, float] = {}  # request id -> when its cancel arrived
+        self._suspects_arriving = 0
 
     def accept(self, item: WorkItem) -> None:
         self._pending.append(item)
+        self._arrived.set()
+
+    def suspects_arriving(self, change: int) -> None:
+        self._suspects_arriving += change
         self._arrived.set()
 
     def pull_after_s(self) -> float:
