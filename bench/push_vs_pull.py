@@ -41,7 +41,7 @@ from bench.loadgen import LoadSpec, run_load
 from bench.push.cluster import PushCluster
 from bench.push.router import POLICIES
 from shoal.catalog import resolve_model
-from shoal.config import local_gateway_processes
+from shoal.config import env_default, local_gateway_processes
 from shoal.protocol import ModelSpec
 
 PEERS = ("ray", "infinity")
@@ -265,7 +265,9 @@ def _merge(path: Path, args: argparse.Namespace, spec: ModelSpec, workers: int, 
         "max_batch_items": args.max_batch_items,
         "push_cap": args.cap,
         "push_max_wait_ms": args.max_wait_ms,
-        "gateways": args.gateways or local_gateway_processes(os.cpu_count()),
+        # What `shoal up` ran: its default reads SHOAL_GATEWAYS first.
+        "gateways": args.gateways
+        or env_default("GATEWAYS", local_gateway_processes(os.cpu_count())),
         "sizes": args.sizes,
         "seconds": args.seconds,
         "loads": args.loads,

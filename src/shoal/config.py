@@ -66,13 +66,9 @@ class NatsAuth:
         `SHOAL_NATS_CREDS`, `SHOAL_NATS_TLS_CA`, `SHOAL_NATS_TLS_CERT`, `SHOAL_NATS_TLS_KEY`,
         `SHOAL_NATS_INBOX_PREFIX`."""
         password_path = _or_env(password_file, "NATS_PASSWORD_FILE")
-        if password_path:
-            password = read_secret_file(password_path)
-        else:
-            password = _or_env(None, "NATS_PASSWORD")
         return cls(
             user=_or_env(user, "NATS_USER"),
-            password=password,
+            password=_read_password(password_path),
             password_file=password_path,
             creds_file=_or_env(creds_file, "NATS_CREDS"),
             tls_ca=_or_env(tls_ca, "NATS_TLS_CA"),
@@ -89,9 +85,7 @@ class NatsAuth:
     def with_password_read(self) -> NatsAuth:
         """This auth with its password read as `read` reads it: from `password_file`, else
         from `SHOAL_NATS_PASSWORD`."""
-        if self.password_file:
-            return replace(self, password=read_secret_file(self.password_file))
-        return replace(self, password=os.environ.get("SHOAL_NATS_PASSWORD", ""))
+        return replace(self, password=_read_password(self.password_file))
 
     def environment(self, password_file: str = "") -> dict[str, str]:
         """The `SHOAL_NATS_*` variables that make a child process read this same auth.
@@ -111,6 +105,11 @@ class NatsAuth:
             "SHOAL_NATS_TLS_KEY": self.tls_key,
             "SHOAL_NATS_INBOX_PREFIX": self.inbox_prefix,
         }
+
+
+def _read_password(password_file: str) -> str:
+    """The first line of `password_file`, else `SHOAL_NATS_PASSWORD`."""
+    return read_secret_file(password_file) if password_file else _or_env(None, "NATS_PASSWORD")
 
 
 def _or_env(value: str | None, name: str) -> str:
