@@ -28,6 +28,7 @@ from conftest import wait_until, worker_status
 from shoal.broker.connection import connect
 from shoal.runtimes.engine import check_engine_options
 from shoal.state.profiles import BatchProfile, read_profiles
+from shoal.worker.profiling import ENGINE_MIN_CONCURRENCY, ENGINE_SIZES, WITHIN_BEST
 
 
 def _server_importable() -> bool:
@@ -300,9 +301,11 @@ def test_concurrency_is_profiled_on_first_load_and_reused(nats_server, session_l
     """No `concurrency` option, no --max-batch-items: the first worker times the engine at
     1, 2, ... requests in flight (1 s each) and stores the profile; the next one reuses it.
 
-    llama_cpp.server runs one request at a time, so two in flight gain nothing over one and
-    the timing stops there; the choice is the floor of 2 (one waiting in the engine while
-    the relay pulls the next through the queue).
+    llama_cpp.server runs one request at a time, so more in flight gain nothing and the
+    timing stops at the first doubling that gains under 5%; the choice is the floor of 2 (one
+    waiting in the engine while the relay pulls the next through the queue). Which doubling
+    that is depends on the machine: on a loaded one, one in flight can time slow (the relay's
+    pull between requests shows), so 2 gains and the timing goes on to 4.
     """
     model = "gemma-engine-profiled"
     args = [*engine_args(None), "--option", "profile_seconds=1"]
@@ -310,10 +313,14 @@ def test_concurrency_is_profiled_on_first_load_and_reused(nats_server, session_l
     first = session_launcher.worker(nats_server.url, model, *args, timeout=180)
     (profile,) = stored_profiles(nats_server.url, model)
     assert profile.runtime == "engine" and profile.profiled_by
-    assert sorted(profile.throughput) == [1, 2], profile  # saturated at 1: stopped at 2
+    sizes = sorted(profile.throughput)
+    assert sizes == list(ENGINE_SIZES[: len(sizes)]) and len(sizes) >= 2, profile
     assert all(rate > 1 for rate in profile.throughput.values())  # tokens/s, ~20 here
-    assert profile.throughput[2] < 1.05 * profile.throughput[1]
-    assert profile.max_batch_items == 2
+    *before, last = sizes
+    best_before = max(profile.throughput[s] for s in before)
+    assert profile.throughput[last] < best_before / WITHIN_BEST, profile  # saturated: stopped
+    assert last < ENGINE_SIZES[-1], profile  # stopped early, not at the end of the sizes
+    assert profile.max_batch_items == ENGINE_MIN_CONCURRENCY == 2, profile
     assert worker_status(nats_server.url, first.pid).slots == 2
     first.stop()
     print(f"first load with profiling: {time.monotonic() - began:.1f} s; {profile}")
