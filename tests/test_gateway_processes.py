@@ -51,7 +51,11 @@ def test_two_gateway_processes_share_a_port_and_their_metrics(nats_server, launc
     servers = wait_until(lambda: len(s := _server_processes(gateway.pid)) == 2 and s, 30)
 
     assert _embed_each_on_a_new_connection(url, 40) == [200] * 40
-    # Every scrape, whichever process answers it, counts all 40.
+    # A kept connection reaches one process: the other's counts reach its scrapes only
+    # through that process's timed flush (SHARED_FLUSH_INTERVAL_S), with no more traffic.
+    with httpx.Client(timeout=10) as client:
+        wait_until(lambda: _served_requests(client.get(f"{url}/metrics").text) == 40, 5)
+    # Then every scrape, whichever process answers it, counts all 40.
     for _ in range(6):
         with httpx.Client(timeout=10) as client:
             assert _served_requests(client.get(f"{url}/metrics").text) == 40
@@ -68,10 +72,22 @@ def test_two_gateway_processes_share_a_port_and_their_metrics(nats_server, launc
     assert _embed_each_on_a_new_connection(url, 20) == [200] * 20
     with httpx.Client(timeout=10) as client:
         # The dead process's counts stay in the sum: counters never go back.
-        assert _served_requests(client.get(f"{url}/metrics").text) == 60
+        wait_until(lambda: _served_requests(client.get(f"{url}/metrics").text) == 60, 5)
 
     assert gateway.stop() == 0
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in servers[1:])
+
+
+def test_granians_gateway_processes_share_their_metrics(nats_server, launcher):
+    launcher.worker(nats_server.url, MODEL, "--runtime", "sim", "--option", "batch_ms=1")
+    gateway, url = launcher.gateway(nats_server.url, "--gateways", "2", "--http-server", "granian")
+    assert _embed_each_on_a_new_connection(url, 40) == [200] * 40
+    with httpx.Client(timeout=10) as client:
+        wait_until(lambda: _served_requests(client.get(f"{url}/metrics").text) == 40, 5)
+    for _ in range(6):
+        with httpx.Client(timeout=10) as client:
+            assert _served_requests(client.get(f"{url}/metrics").text) == 40
+    assert gateway.stop() == 0
 
 
 def test_a_gateway_process_serves_only_once_it_can_queue(nats_server, launcher):

@@ -136,6 +136,7 @@ class Gateway:
         self._releases: set[asyncio.Task[None]] = set()  # idempotency keys being freed
         self._ready = asyncio.Event()
         self._connect_task: asyncio.Task[None] | None = None
+        self._metrics_flush: asyncio.Task[None] | None = None  # with shared metrics only
         self._openapi_document = load_document()  # static: built from shoal.api's types
         self.dashboard = Dashboard(
             self.gateway_id,
@@ -172,6 +173,8 @@ class Gateway:
         queue), and so does one whose NATS is still away after the wait.
         """
         self._connect_task = asyncio.create_task(self._connect())
+        if self.metrics.shared:
+            self._metrics_flush = asyncio.create_task(self.metrics.flush_every())
         if self.settings.processes > 1:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._ready.wait(), FIRST_CONNECTION_WAIT_S)
@@ -180,6 +183,9 @@ class Gateway:
         self.waiting.stop()
         if self._connect_task is not None:
             self._connect_task.cancel()
+        if self._metrics_flush is not None:
+            self._metrics_flush.cancel()
+        self.metrics.flush()
         await self.directory.stop()
         await self.readiness.stop()
         if self.auth is not None:

@@ -29,7 +29,6 @@ import asyncio
 import base64
 import hashlib
 import math
-import os
 import re
 import time
 from collections import deque
@@ -41,12 +40,11 @@ from typing import Any
 import msgspec
 import nats.js.errors
 from nats.js import JetStreamContext
-from prometheus_client import CollectorRegistry, multiprocess
 
 from shoal.api.errors import ApiError
 from shoal.gateway.admin import check_token
 from shoal.gateway.readiness import STALE_S
-from shoal.observability.metrics import MULTIPROCESS_DIR_ENV, GatewayMetrics
+from shoal.observability.metrics import GatewayMetrics
 from shoal.protocol import WORK_STREAM, ModelSpec, Task, consumer_name, encode_json, now_ms
 from shoal.runtimes.registry import is_simulated
 from shoal.state.workers import WorkerState, WorkerStatus, read_worker_statuses
@@ -280,10 +278,7 @@ def read_gateway_counts(
     With several gateway processes on one port (prometheus_client's multiprocess directory),
     the sum over all of them, as `/metrics` shows it.
     """
-    registry: Any = metrics.registry
-    if os.environ.get(MULTIPROCESS_DIR_ENV):
-        registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)
+    registry = metrics.readable_registry()
     buckets: dict[str, dict[float, float]] = {}
     statuses: dict[str, dict[str, int]] = {}
     for family in registry.collect():

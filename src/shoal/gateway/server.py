@@ -8,6 +8,7 @@ app times the body out as it reads it (gateway/app.py).
 from __future__ import annotations
 
 import atexit
+import multiprocessing
 import os
 import shutil
 import tempfile
@@ -77,6 +78,11 @@ def _serve_granian(settings: GatewaySettings) -> None:
 
     # granian imports the app in its own worker: hand it the settings through the environment.
     _settings_to_environment(settings)
+    if settings.processes > 1:
+        _share_metrics()
+        # granian forks its processes by default, and a fork keeps the prometheus_client this
+        # process imported before the metrics were shared: its values stay per process.
+        multiprocessing.set_start_method("spawn", force=True)
     Server(
         "shoal.gateway.server:app_from_environment",
         address=settings.host,
