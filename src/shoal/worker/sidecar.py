@@ -161,7 +161,7 @@ class _ModelsCollector:
     def collect(self):
         families: dict[str, Metric] = {}
         for server in list(self._servers.values()):
-            for family in server.metrics.registry.collect():
+            for family in server.metrics.readable_registry().collect():
                 merged = families.get(family.name)
                 if merged is None:
                     families[family.name] = family
