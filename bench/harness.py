@@ -97,19 +97,35 @@ class UpCluster:
         info = json.loads((Path(self.state_dir) / "cluster.json").read_text())
         return ClusterCredentials(Path(info["nats_auth_dir"])).auth(ADMIN)
 
-    def worker_statuses(self) -> list:
-        """Every worker status report (one per worker and model it holds)."""
+    def _with_jetstream(self, read):
+        """`await read(js)` on a connection of its own to the cluster's NATS."""
         from shoal.broker.connection import connect
-        from shoal.state.workers import read_worker_statuses
 
-        async def statuses():
+        async def run():
             nc = await connect(self.nats_url, name="bench", auth=self.nats_auth)
             try:
-                return await read_worker_statuses(nc.jetstream())
+                return await read(nc.jetstream())
             finally:
                 await nc.close()
 
-        return asyncio.run(statuses())
+        return asyncio.run(run())
+
+    def worker_statuses(self) -> list:
+        """Every worker status report (one per worker and model it holds)."""
+        from shoal.state.workers import read_worker_statuses
+
+        return self._with_jetstream(read_worker_statuses)
+
+    def work_messages_stored(self) -> int:
+        """Messages the work stream has stored since it was made (its last sequence): with
+        the requests sent over a window, the requests a JetStream message carried (envelopes
+        of group commit, gateway/committer.py)."""
+        from shoal.protocol import WORK_STREAM
+
+        async def last_sequence(js) -> int:
+            return (await js.stream_info(WORK_STREAM)).state.last_seq
+
+        return self._with_jetstream(last_sequence)
 
     def metrics_urls(self) -> list[str]:
         """Each worker process's /metrics, once (a worker reports once per model it holds)."""

@@ -16,7 +16,9 @@ connections. Each measured window reports:
   (`bench.fleet_metrics`; busy is the time in the worker's batch call: the device's sleep plus
   the host-side decode and encode in the runtime thread);
 - CPU microseconds per request of the gateway, nats-server, the worker and the supervisor
-  (utime + stime from /proc over the window, for the processes `shoal up` started) and of wrk.
+  (utime + stime from /proc over the window, for the processes `shoal up` started) and of wrk;
+- the requests a JetStream message carried (the gateway's envelopes: requests sent over the
+  work stream's messages stored in the window).
 
 With `--profile DIR`, one more measured window runs py-spy on the gateway and the worker
 (`py-spy record --format raw --gil --nonblocking`, or `--native` for C frames too, which
@@ -77,12 +79,13 @@ def component_pids(up: UpCluster) -> dict[str, list[int]]:
 
 def measure(up: UpCluster, urls: list[str], args: argparse.Namespace, seconds: float) -> dict:
     """One measured window of wrk load: throughput, the device's figures, CPU per request."""
-    before = scrape(urls)
+    before, messages_before = scrape(urls), up.work_messages_stored()
     cpu_before, started = up.component_cpu_seconds(), time.monotonic()
     load = run_wrk(up.url, MODEL, args.connections, seconds)
     elapsed = time.monotonic() - started
     cpu_after = up.component_cpu_seconds()
     device = window(before, scrape(urls), elapsed)
+    messages = up.work_messages_stored() - messages_before
     requests = max(1, load.requests)
     cpu_s = {name: cpu_after[name] - cpu_before.get(name, 0.0) for name in cpu_after}
     cpu_s["wrk"] = load.client_cpu_s
@@ -99,6 +102,8 @@ def measure(up: UpCluster, urls: list[str], args: argparse.Namespace, seconds: f
         "device_limit_rps": round(limit, 1),
         "ratio_to_limit": round(load.rps / limit, 4),
         "device": asdict(device),
+        # Requests a JetStream message carried (the gateway's envelopes).
+        "requests_per_message": round(load.requests / max(1, messages), 2),
         "cpu_s": {name: round(cpu, 3) for name, cpu in cpu_s.items()},
         "cores": {name: round(cpu / elapsed, 3) for name, cpu in cpu_s.items()},
         "cpu_us_per_request": us_per_request,
@@ -214,6 +219,8 @@ def report(args: argparse.Namespace, rounds: list[dict]) -> None:
         )
     cores = rounds[-1]["cores"]
     print("cores used (last round): " + ", ".join(f"{k} {v:.2f}" for k, v in cores.items()))
+    per_message = ", ".join(f"{run['requests_per_message']:g}" for run in rounds)
+    print(f"requests a JetStream message (by round): {per_message}")
 
 
 def print_profiles(profiles: dict) -> None:

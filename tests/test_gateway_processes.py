@@ -4,6 +4,7 @@ and one that dies is started again while the others keep serving."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import re
 import signal
@@ -18,6 +19,7 @@ from conftest import free_port, wait_until
 from shoal.config import GatewaySettings, NatsAuth
 from shoal.gateway import server
 from shoal.gateway.app import FIRST_CONNECTION_WAIT_S
+from shoal.process import YOUNG_GENERATION_THRESHOLD
 
 MODEL = "sim-gateways"
 ROUTE = "/v1/embeddings"
@@ -146,3 +148,17 @@ def test_the_processes_get_the_nats_password_from_its_file_not_the_environment(
     server._settings_to_environment(settings)
     assert not any(password in value for value in os.environ.values())
     assert server.app_from_environment().settings.nats_auth.password == password
+
+
+def test_each_serving_process_raises_the_young_generations_threshold(monkeypatch):
+    """A spawned serving process starts with CPython's garbage-collector defaults; building
+    its app sets the threshold that keeps collections rare under load."""
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, before[1], before[2])  # CPython's default
+        monkeypatch.setenv(server._SETTINGS_ENV, "")
+        server._settings_to_environment(GatewaySettings(nats_url="nats://127.0.0.1:1"))
+        server.app_from_environment()
+        assert gc.get_threshold() == (YOUNG_GENERATION_THRESHOLD, before[1], before[2])
+    finally:
+        gc.set_threshold(*before)

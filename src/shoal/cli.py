@@ -454,9 +454,11 @@ def _api_keys_mode(args: argparse.Namespace) -> str:
 def _worker(args: argparse.Namespace) -> int:
     import uvloop
 
+    from shoal.process import tune_garbage_collector
     from shoal.worker.heap import DEFAULT_TRIM_INTERVAL_S, start_heap_trimmer
     from shoal.worker.sidecar import ModelLoadError, WorkerSidecar
 
+    tune_garbage_collector()
     # A CPU model's batches of changing sizes fragment the C heap; trimming it keeps RSS flat.
     try:
         start_heap_trimmer(env_default("MALLOC_TRIM_S", DEFAULT_TRIM_INTERVAL_S))

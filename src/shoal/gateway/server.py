@@ -17,6 +17,7 @@ from dataclasses import replace
 from shoal.config import GatewaySettings
 from shoal.gateway.app import Gateway
 from shoal.observability.metrics import MULTIPROCESS_DIR_ENV
+from shoal.process import tune_garbage_collector
 
 HTTP_SERVERS = ("uvicorn", "granian")
 _SETTINGS_ENV = "SHOAL_GATEWAY_SETTINGS_JSON"
@@ -24,6 +25,7 @@ _SETTINGS_ENV = "SHOAL_GATEWAY_SETTINGS_JSON"
 
 def serve(settings: GatewaySettings) -> None:
     """Serve until SIGINT or SIGTERM; both servers shut down gracefully on those."""
+    tune_garbage_collector()
     try:
         if settings.http_server == "granian":
             _serve_granian(settings)
@@ -117,7 +119,10 @@ def _settings_to_environment(settings: GatewaySettings) -> None:
 
 
 def app_from_environment() -> Gateway:
+    """The app in one of several serving processes (uvicorn's or granian's), from the
+    settings its parent put in the environment."""
     import msgspec
 
+    tune_garbage_collector()  # a spawned process starts with CPython's defaults
     settings = msgspec.json.decode(os.environ[_SETTINGS_ENV].encode(), type=GatewaySettings)
     return Gateway(replace(settings, nats_auth=settings.nats_auth.with_password_read()))
