@@ -32,6 +32,7 @@ ALLOWED: dict[str, set[str]] = {
         "observability",
         "catalog",
         "runtimes.registry",
+        "process",  # the serving processes' garbage-collector setting
     },
 }
 

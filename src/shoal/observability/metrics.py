@@ -52,20 +52,21 @@ class PendingCount:
 
     prometheus_client's values take a lock on every increment (~0.4 us in one process) and,
     shared by several processes, also ask the OS for the pid and write to a file (~2 us).
+    Not thread-safe: count and flush on one thread (`PendingHistogram` alike).
     """
 
-    __slots__ = ("_child", "count")
+    __slots__ = ("_child", "_count")
 
     def __init__(self, child: Any) -> None:
         self._child = child
-        self.count = 0
+        self._count = 0
 
     def inc(self) -> None:
-        self.count += 1
+        self._count += 1
 
     def flush(self) -> None:
-        if self.count:
-            count, self.count = self.count, 0
+        if self._count:
+            count, self._count = self._count, 0
             self._child.inc(count)
 
 
@@ -147,7 +148,7 @@ class GatewayMetrics:
         pending = self._pending.get(key)
         if pending is None:
             pending = self._pending[key] = self._new_pending(key)
-        pending[0].count += 1
+        pending[0].inc()
         pending[1].observe(seconds)
 
     def flush(self) -> None:
@@ -272,21 +273,14 @@ class WorkerMetrics:
         if pending is None:
             child = self.items.labels(status=str(status), **self._items_labels)
             pending = self._items_by_status[status] = PendingCount(child)
-        pending.count += 1
+        pending.inc()
 
     def flush(self) -> None:
-        """Write the items counted and queue waits observed since the last flush."""
+        """Write the items counted and queue waits observed since the last flush. Call it on
+        the thread that counts (the worker's event loop): the pending counts have no lock."""
         for pending in self._items_by_status.values():
             pending.flush()
         self.queue_wait.flush()
-
-    def readable_registry(self) -> CollectorRegistry:
-        """What a scrape reads, flushed."""
-        self.flush()
-        return self.registry
-
-    def render(self) -> bytes:
-        return generate_latest(self.readable_registry())
 
 
 class BusyMeter:

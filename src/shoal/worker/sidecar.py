@@ -10,6 +10,7 @@ On SIGTERM it drains every model and exits.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -33,6 +34,8 @@ from shoal.worker.placer import Placer
 log = logging.getLogger(__name__)
 
 STATUS_INTERVAL_S = 1.0
+# A scrape waits this long for the event loop to flush the models' counts (`_ModelsCollector`).
+FLUSH_WAIT_S = 1.0
 
 __all__ = ["ModelLoadError", "WorkerSidecar"]
 
@@ -59,7 +62,7 @@ class WorkerSidecar:
         js = nc.jetstream()
         await ensure_work_stream(js, settings.queue)
         registry = CollectorRegistry()
-        registry.register(_ModelsCollector(self.servers))
+        registry.register(_ModelsCollector(self.servers, asyncio.get_running_loop()))
         metrics_server, _ = start_http_server(
             settings.metrics_port, settings.metrics_host, registry=registry
         )
@@ -153,18 +156,39 @@ async def _report_status(holdings: Holdings) -> None:
 
 
 class _ModelsCollector:
-    """The metrics of every loaded model, served from the process's one /metrics."""
+    """The metrics of every loaded model, served from the process's one /metrics.
 
-    def __init__(self, servers: dict[str, ModelServer]) -> None:
+    prometheus_client serves the scrape on a thread of its own, while the models count on the
+    event loop without locks (`WorkerMetrics`): the scrape asks the loop to flush the counts
+    and waits for it (at most `FLUSH_WAIT_S`; past that, or once the loop has stopped, it
+    reads what was flushed before).
+    """
+
+    def __init__(self, servers: dict[str, ModelServer], loop: asyncio.AbstractEventLoop) -> None:
         self._servers = servers
+        self._loop = loop
 
     def collect(self):
+        self._flush_on_loop()
         families: dict[str, Metric] = {}
         for server in list(self._servers.values()):
-            for family in server.metrics.readable_registry().collect():
+            for family in server.metrics.registry.collect():
                 merged = families.get(family.name)
                 if merged is None:
                     families[family.name] = family
                 else:
                     merged.samples.extend(family.samples)
         yield from families.values()
+
+    def _flush_on_loop(self) -> None:
+        flushed: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def flush() -> None:
+            for server in list(self._servers.values()):
+                server.metrics.flush()
+            flushed.set_result(None)
+
+        # RuntimeError: the loop is closed; TimeoutError: it was busy past the wait.
+        with contextlib.suppress(RuntimeError, TimeoutError):
+            self._loop.call_soon_threadsafe(flush)
+            flushed.result(timeout=FLUSH_WAIT_S)
