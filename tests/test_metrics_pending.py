@@ -111,3 +111,5 @@ def test_the_workers_items_and_queue_waits_are_written_at_the_flush():
     assert unflushed[("shoal_worker_queue_wait_seconds_count", tuple(sorted(labels.items())))] == 0
     metrics.flush()
     assert read(metrics.registry) == read(expected)
+    metrics.count_item(400)
+    assert b'shoal_worker_items_total{model="m",runtime="sim",status="400"} 2.0' in metrics.render()

@@ -282,6 +282,12 @@ class WorkerMetrics:
             pending.flush()
         self.queue_wait.flush()
 
+    def render(self) -> bytes:
+        """The text a scrape reads, flushed first; on the counting thread, as `flush` (the
+        sidecar's scrape runs on prometheus_client's thread and asks the loop instead)."""
+        self.flush()
+        return generate_latest(self.registry)
+
 
 class BusyMeter:
     """The share of recent wall time spent inside intervals (batches), over a sliding window."""
