@@ -21,7 +21,8 @@ import sys
 import tempfile
 import time
 
-MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # as shoal.observability.metrics
+from shoal.observability.metrics import MULTIPROCESS_DIR_ENV
+
 FLUSH_EVERY = 1_000  # requests between two flushes: at 4,000/s, 0.25 s's worth
 
 

@@ -47,20 +47,24 @@ def _embed_each_on_a_new_connection(url: str, count: int) -> list[int]:
     return statuses
 
 
+def _every_scrape_counts(url: str, served: int) -> None:
+    """A kept connection reaches one process: the others' counts reach its scrapes only
+    through their timed flush (SHARED_FLUSH_INTERVAL_S), with no more traffic. Then every
+    scrape, each on a new connection, whichever process answers it, counts all `served`."""
+    with httpx.Client(timeout=10) as client:
+        wait_until(lambda: _served_requests(client.get(f"{url}/metrics").text) == served, 5)
+    for _ in range(6):
+        with httpx.Client(timeout=10) as client:
+            assert _served_requests(client.get(f"{url}/metrics").text) == served
+
+
 def test_two_gateway_processes_share_a_port_and_their_metrics(nats_server, launcher):
     launcher.worker(nats_server.url, MODEL, "--runtime", "sim", "--option", "batch_ms=1")
     gateway, url = launcher.gateway(nats_server.url, "--gateways", "2")
     servers = wait_until(lambda: len(s := _server_processes(gateway.pid)) == 2 and s, 30)
 
     assert _embed_each_on_a_new_connection(url, 40) == [200] * 40
-    # A kept connection reaches one process: the other's counts reach its scrapes only
-    # through that process's timed flush (SHARED_FLUSH_INTERVAL_S), with no more traffic.
-    with httpx.Client(timeout=10) as client:
-        wait_until(lambda: _served_requests(client.get(f"{url}/metrics").text) == 40, 5)
-    # Then every scrape, whichever process answers it, counts all 40.
-    for _ in range(6):
-        with httpx.Client(timeout=10) as client:
-            assert _served_requests(client.get(f"{url}/metrics").text) == 40
+    _every_scrape_counts(url, 40)
 
     # One serving process dies: uvicorn starts another, the port keeps answering meanwhile.
     victim = servers[0]
@@ -84,11 +88,7 @@ def test_granians_gateway_processes_share_their_metrics(nats_server, launcher):
     launcher.worker(nats_server.url, MODEL, "--runtime", "sim", "--option", "batch_ms=1")
     gateway, url = launcher.gateway(nats_server.url, "--gateways", "2", "--http-server", "granian")
     assert _embed_each_on_a_new_connection(url, 40) == [200] * 40
-    with httpx.Client(timeout=10) as client:
-        wait_until(lambda: _served_requests(client.get(f"{url}/metrics").text) == 40, 5)
-    for _ in range(6):
-        with httpx.Client(timeout=10) as client:
-            assert _served_requests(client.get(f"{url}/metrics").text) == 40
+    _every_scrape_counts(url, 40)
     assert gateway.stop() == 0
 
 

@@ -25,9 +25,9 @@ def child_preexec() -> None:
 # yet freed pass this count. Its default, 700, is below what a loaded gateway or worker holds
 # for its requests in flight (a request's scope, task, futures and structs), so the count
 # passed it every few requests: the gateway ran ~110 collections a second at 6,000-7,600
-# requests/s and spent 9-10% of its CPU in them (bench.hotpath; docs/benchmarks.md, "The garbage
-# collector"). Above the working set, the count rises only with objects that outlive their
-# request, and collections become rare.
+# requests/s and spent 9-10% of its CPU in them (timed with gc.callbacks under bench.hotpath's
+# load; docs/benchmarks.md, "The garbage collector"). Above the working set, the count rises
+# only with objects that outlive their request, and collections become rare.
 YOUNG_GENERATION_THRESHOLD = 10_000
 
 

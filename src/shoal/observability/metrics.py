@@ -48,12 +48,11 @@ SHARED_FLUSH_INTERVAL_S = 0.25
 
 
 class PendingCount:
-    """Increments of one counter child, kept in plain Python until `flush` adds them at once.
-
-    prometheus_client's values take a lock on every increment (~0.4 us in one process) and,
-    shared by several processes, also ask the OS for the pid and write to a file (~2 us).
-    Not thread-safe: count and flush on one thread (`PendingHistogram` alike).
-    """
+    """Increments of one counter child, kept in plain Python until `flush` adds them at once:
+    prometheus_client's values take a lock on every increment and, shared by several
+    processes, also ask the OS for the pid and write to a file (`python -m
+    bench.metrics_cost`). Not thread-safe: count and flush on one thread (`PendingHistogram`
+    alike)."""
 
     __slots__ = ("_child", "_count")
 
@@ -72,17 +71,21 @@ class PendingCount:
 
 class PendingHistogram:
     """Observations of one histogram child, counted in plain Python until `flush` adds them at
-    once: ~0.3 us an observation against ~1.5 us (one process) or ~4.5 us (shared) for the
-    child's own `observe`, which increments two locked values."""
+    once (the child's own `observe` increments two locked values an observation).
+
+    Histogram has no public way to add many observations at once; its bounds (+Inf last), sum
+    and one count a bucket are read and added to directly (tests/test_metrics_pending.py checks
+    the result against the same values observed one by one).
+    """
 
     __slots__ = ("_bounds", "_buckets", "_child", "_count", "_sum")
 
-    def __init__(self, child: Any, bounds: tuple[float, ...]) -> None:
+    def __init__(self, child: Any) -> None:
         self._child = child
-        self._bounds = bounds
+        self._bounds: list[float] = child._upper_bounds
         self._count = 0
         self._sum = 0.0
-        self._buckets = [0] * (len(bounds) + 1)  # one a bound, then +Inf, as the child's
+        self._buckets = [0] * len(self._bounds)
 
     def observe(self, value: float) -> None:
         self._count += 1
@@ -93,9 +96,6 @@ class PendingHistogram:
     def flush(self) -> None:
         if not self._count:
             return
-        # Histogram has no public way to add many observations at once; its values are a sum
-        # and one count a bucket (tests/test_metrics_pending.py checks the result against the
-        # same values observed one by one).
         self._child._sum.inc(self._sum)
         for bucket, count in zip(self._child._buckets, self._buckets, strict=True):
             if count:
@@ -109,8 +109,9 @@ class GatewayMetrics:
     written to prometheus_client's values in bulk (`flush`; `PendingCount`,
     `PendingHistogram`).
 
-    Written a request, the values cost ~2.4 us in one process and ~7 us with several gateway
-    processes on one port (`shared`: prometheus_client's multiprocess files). Reading flushes
+    Written a request, the values cost 2.65 us in one process and 4.82 us with several gateway
+    processes on one port (`shared`: prometheus_client's multiprocess files), counted here
+    0.63-0.65 us (`python -m bench.metrics_cost`). Reading flushes
     first, so one process's `/metrics` is always current; with several, a scrape sees a
     sibling's counts once that sibling has flushed (`flush_every`, at most
     `SHARED_FLUSH_INTERVAL_S` later).
@@ -185,7 +186,7 @@ class GatewayMetrics:
         latency = self._latencies.get((route, model))
         if latency is None:
             child = self.latency.labels(route, model)
-            latency = self._latencies[route, model] = PendingHistogram(child, LATENCY_BUCKETS)
+            latency = self._latencies[route, model] = PendingHistogram(child)
         return PendingCount(self.requests.labels(route, model, str(status))), latency
 
 
@@ -215,8 +216,7 @@ class WorkerMetrics:
                 ["model", "runtime"],
                 buckets=LATENCY_BUCKETS,
                 registry=self.registry,
-            ).labels(**labels),
-            LATENCY_BUCKETS,
+            ).labels(**labels)
         )
         self.batch_items = Histogram(
             "shoal_worker_batch_items",
