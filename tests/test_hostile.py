@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import socket
 import time
 
 import httpx
 import pytest
+import uvicorn
 from conftest import Launcher
-from uvicorn.protocols.http.flow_control import FlowControl
+from uvicorn.server import ServerState
 
-from shoal.config import GatewaySettings
+from shoal.config import GatewaySettings, HttpTimeouts
 from shoal.gateway.app import Gateway
-from shoal.gateway.http_protocol import WholeResponseCycle
+from shoal.gateway.http_protocol import Exchange, protocol_factory
 from shoal.gateway.openapi import build_document, encode_document, load_document
 
 HEADER_TIMEOUT_S = 2.0
@@ -274,11 +274,14 @@ def test_invalid_http_is_400_in_the_error_shape(cluster, data):
 
 
 class _RecordingTransport:
-    """Where the cycle's writes land, one entry per write call (each a send on a socket)."""
+    """Where the exchange's writes land, one entry per write call (each a send on a socket)."""
 
     def __init__(self) -> None:
         self.writes: list[bytes] = []
         self.closed = False
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 50000)}.get(name)
 
     def write(self, data: bytes) -> None:
         self.writes.append(bytes(data))
@@ -289,38 +292,44 @@ class _RecordingTransport:
     def close(self) -> None:
         self.closed = True
 
+    def pause_reading(self) -> None:
+        pass
 
-def _cycle(method: str = "POST", keep_alive: bool = True):
-    """The gateway's request cycle as its protocol makes it, over a recording transport."""
+    def resume_reading(self) -> None:
+        pass
+
+
+def _exchange(method: str = "POST", keep_alive: bool = True):
+    """One request's exchange as the gateway's protocol makes it, over a recording
+    transport; call inside a running loop. Returns (exchange, transport, server state)."""
+    config = uvicorn.Config(_no_app, http=protocol_factory(HttpTimeouts()), lifespan="off")
+    config.load()
+    state = ServerState()
+    state.default_headers = [(b"server", b"uvicorn")]
+    protocol = config.http_protocol_class(config=config, server_state=state, app_state={})
     transport = _RecordingTransport()
-    responded: list[bool] = []
-    cycle = WholeResponseCycle(
-        scope={"type": "http", "method": method, "path": "/", "headers": []},
-        transport=transport,  # type: ignore[arg-type]
-        flow=FlowControl(transport),  # type: ignore[arg-type]
-        logger=logging.getLogger("test"),
-        access_logger=logging.getLogger("test"),
-        access_log=False,
-        default_headers=[(b"server", b"uvicorn")],
-        message_event=asyncio.Event(),
-        expect_100_continue=False,
-        keep_alive=keep_alive,
-        on_response=lambda: responded.append(True),
-    )
-    return cycle, transport, responded
+    protocol.connection_made(transport)
+    scope = {"type": "http", "method": method, "path": "/", "headers": []}
+    return Exchange(protocol, scope, keep_alive, False), transport, state
+
+
+async def _no_app(scope, receive, send) -> None:
+    raise AssertionError("not called")
 
 
 def test_a_whole_response_is_one_write():
     headers = [(b"content-type", b"application/json"), (b"content-length", b"2")]
 
     async def answer(method: str = "POST", keep_alive: bool = True, extra=()) -> tuple:
-        cycle, transport, responded = _cycle(method, keep_alive)
-        await cycle.send_whole(200, [*headers, *extra], b"{}")
-        assert cycle.response_complete and cycle.message_event.is_set() and responded
-        return transport, cycle
+        exchange, transport, state = _exchange(method, keep_alive)
+        await exchange.send_whole(200, [*headers, *extra], b"{}")
+        assert exchange.response_complete and state.total_requests == 1
+        # After its response, the app's next receive is the disconnect, at once.
+        assert (await asyncio.wait_for(exchange.receive(), 1))["type"] == "http.disconnect"
+        return transport, exchange
 
-    transport, cycle = asyncio.run(answer())
-    assert len(transport.writes) == 1 and not transport.closed and cycle.keep_alive
+    transport, exchange = asyncio.run(answer())
+    assert len(transport.writes) == 1 and not transport.closed and exchange.keep_alive
     status, response_headers, body = _parse_raw_response(transport.writes[0])
     assert (status, body) == (200, b"{}")
     assert response_headers == {
@@ -335,16 +344,16 @@ def test_a_whole_response_is_one_write():
     transport, _ = asyncio.run(answer(keep_alive=False))
     assert _parse_raw_response(transport.writes[0])[1]["connection"] == "close"
     assert transport.closed
-    transport, cycle = asyncio.run(answer(extra=[(b"connection", b"close")]))
-    assert transport.closed and not cycle.keep_alive
+    transport, exchange = asyncio.run(answer(extra=[(b"connection", b"close")]))
+    assert transport.closed and not exchange.keep_alive
     assert list(_parse_raw_response(transport.writes[0])[1]).count("connection") == 1
 
 
 def test_a_whole_response_to_a_client_gone_writes_nothing():
     async def answer() -> _RecordingTransport:
-        cycle, transport, _ = _cycle()
-        cycle.disconnected = True
-        await cycle.send_whole(200, [(b"content-length", b"2")], b"{}")
+        exchange, transport, _ = _exchange()
+        exchange.lost()
+        await exchange.send_whole(200, [(b"content-length", b"2")], b"{}")
         return transport
 
     assert asyncio.run(answer()).writes == []
@@ -373,6 +382,73 @@ def test_head_and_expect_continue_are_answered_by_the_gateway(cluster):
             raw += chunk
         status, _, body = _parse_raw_response(raw)
         assert status == 200 and json.loads(body)["data"][0]["index"] == 0
+
+
+def _read_responses(sock: socket.socket, count: int) -> list[tuple[int, dict[str, str], bytes]]:
+    """`count` whole responses (each with a content-length) from `sock`, in order."""
+    raw, responses = b"", []
+    while len(responses) < count:
+        head, sep, rest = raw.partition(b"\r\n\r\n")
+        if sep:
+            status, headers, _ = _parse_raw_response(head + sep)
+            length = int(headers["content-length"])
+            if len(rest) >= length:
+                responses.append((status, headers, rest[:length]))
+                raw = rest[length:]
+                continue
+        chunk = sock.recv(65536)
+        assert chunk, f"closed after {len(responses)} responses"
+        raw += chunk
+    return responses
+
+
+def test_pipelined_requests_are_answered_in_order(cluster):
+    """Three requests in one write: a health check, an embedding that waits on a worker, and
+    the model list; the answers come back in the order asked, on the one connection."""
+    host, port = _address(cluster["url"])
+    payload = json.dumps({"model": EMBED_MODEL, "input": "pipelined"}).encode()
+    with socket.create_connection((host, port), timeout=10) as sock:
+        sock.sendall(
+            b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+            b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s"
+            b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n" % (len(payload), payload)
+        )
+        health, embedding, models = _read_responses(sock, 3)
+    assert (health[0], json.loads(health[2])) == (200, {"status": "ok"})
+    assert embedding[0] == 200 and json.loads(embedding[2])["data"][0]["object"] == "embedding"
+    assert models[0] == 200 and EMBED_MODEL in {m["id"] for m in json.loads(models[2])["data"]}
+
+
+def test_a_chunked_request_body_in_two_reads_is_served(cluster):
+    host, port = _address(cluster["url"])
+    payload = json.dumps({"model": EMBED_MODEL, "input": "chunked"}).encode()
+    first, second = payload[:10], payload[10:]
+    with socket.create_connection((host, port), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(first), first)
+        )
+        time.sleep(0.2)  # the app reads the first chunk and waits for the rest
+        sock.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (len(second), second))
+        ((status, _, body),) = _read_responses(sock, 1)
+    assert status == 200 and len(json.loads(body)["data"]) == 1
+
+
+def test_an_app_error_is_a_500_in_the_error_shape_and_the_connection_closes():
+    async def failing_app(scope, receive, send) -> None:
+        raise ValueError("a bug")
+
+    async def run() -> _RecordingTransport:
+        exchange, transport, _ = _exchange()
+        exchange.body_complete()
+        await exchange.run(failing_app)
+        return transport
+
+    transport = asyncio.run(run())
+    status, headers, body = _parse_raw_response(b"".join(transport.writes))
+    assert status == 500 and headers["connection"] == "close" and transport.closed
+    assert json.loads(body)["error"]["code"] == "internal_error"
 
 
 # -- HTTP-level errors -------------------------------------------------------------------

@@ -18,7 +18,7 @@ import uvicorn
 from uvicorn.server import ServerState
 
 from shoal.config import HttpTimeouts
-from shoal.gateway.http_protocol import WholeResponseCycle, protocol_factory
+from shoal.gateway.http_protocol import Exchange, protocol_factory
 from shoal.gateway.streaming import ClientGone, WaitingRequests
 
 _REQUEST = b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
@@ -78,7 +78,7 @@ def test_a_lost_connection_fails_its_waiting_request_at_once():
     async def run() -> None:
         waiting = WaitingRequests(watch_after_s=60)  # no sweep will look in time
         protocol, future, receive = await _waiting_request(waiting)
-        assert isinstance(receive.__self__, WholeResponseCycle)
+        assert isinstance(receive.__self__, Exchange)
         await asyncio.sleep(0.01)
         assert not future.done()
         protocol.connection_lost(None)

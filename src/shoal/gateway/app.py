@@ -786,7 +786,7 @@ async def _respond(
     extra_headers: list[tuple[bytes, bytes]] | None = None,
 ) -> None:
     headers = [content_type, (b"content-length", str(len(body)).encode()), *(extra_headers or [])]
-    # Under uvicorn, `send` is a method of the gateway's request cycle, which writes a whole
+    # Under uvicorn, `send` is a method of the request's `Exchange`, which writes a whole
     # response at once (http_protocol.py); other servers get the two ASGI messages.
     send_whole = getattr(getattr(send, "__self__", None), "send_whole", None)
     if send_whole is not None:

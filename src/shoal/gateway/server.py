@@ -1,8 +1,8 @@
 """Serving the gateway app over HTTP (uvicorn with uvloop and httptools, or granian).
 
-Both read a request's headers within `HttpTimeouts.header_s` or close the connection. The
-body's timeout is uvicorn's protocol's (http_protocol.py); under granian, which has none, the
-app times the body out as it reads it (gateway/app.py).
+Both read a request's headers within `HttpTimeouts.header_s` or close the connection. Under
+uvicorn the gateway's own HTTP protocol (http_protocol.py) also times the body out; under
+granian, which has no body timeout, the app times the body out as it reads it (gateway/app.py).
 """
 
 from __future__ import annotations

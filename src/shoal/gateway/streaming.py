@@ -56,7 +56,7 @@ class WaitingRequests:
     pays a dict insert and delete.
 
     A client that leaves gets ClientGone on its future, so its work is dropped before it runs.
-    Under uvicorn the request's cycle (what `receive` is bound to, gateway/http_protocol.py)
+    Under uvicorn the request's `Exchange` (what `receive` is bound to, gateway/http_protocol.py)
     calls back when its connection is lost, so nothing is polled: a sweep that read every
     long-waiting request's disconnected flag cost 3.9 us a request with 16 workers, where
     requests wait ~0.5 s (py-spy). Under another server a request that waited
@@ -83,8 +83,8 @@ class WaitingRequests:
         waiting = self._waiting.pop(future, None)
         if waiting is None:
             return
-        if waiting.cycle is not None:  # cycle -> hook -> this -> cycle: broken here
-            waiting.cycle.on_lost = None
+        if waiting.exchange is not None:  # exchange -> hook -> this -> exchange: broken here
+            waiting.exchange.on_lost = None
         elif waiting.watch is not None:
             waiting.watch.cancel()
 
@@ -98,7 +98,7 @@ class WaitingRequests:
                 continue
             if now >= waiting.deadline:
                 future.set_exception(TimeoutError())
-            elif waiting.cycle is not None or waiting.started > young:
+            elif waiting.exchange is not None or waiting.started > young:
                 break  # the rest are in time, and told or younger still
             elif waiting.watch is None:
                 waiting.watch = asyncio.ensure_future(_fail_when_gone(waiting.receive, future))
@@ -115,7 +115,7 @@ class WaitingRequests:
 
 
 class _Waiting:
-    __slots__ = ("cycle", "deadline", "future", "receive", "started", "watch")
+    __slots__ = ("deadline", "exchange", "future", "receive", "started", "watch")
 
     def __init__(
         self, future: asyncio.Future[Any], receive: Receive, started: float, deadline: float
@@ -125,16 +125,16 @@ class _Waiting:
         self.started = started
         self.deadline = deadline
         self.watch: asyncio.Task[None] | None = None
-        # uvicorn's request cycle, made ours (WholeResponseCycle) by the gateway's protocol,
+        # The request's `Exchange` under the gateway's own protocol (gateway/http_protocol.py)
         # calls `on_lost` when its connection is lost; under another server `receive` carries
         # no such hook and the sweep watches instead.
-        cycle = getattr(receive, "__self__", None)
-        self.cycle = cycle if hasattr(cycle, "on_lost") else None
-        if self.cycle is not None:
-            if self.cycle.disconnected:  # gone before it got here
+        exchange = getattr(receive, "__self__", None)
+        self.exchange = exchange if hasattr(exchange, "on_lost") else None
+        if self.exchange is not None:
+            if self.exchange.disconnected:  # gone before it got here
                 self.client_gone()
             else:
-                self.cycle.on_lost = self.client_gone
+                self.exchange.on_lost = self.client_gone
 
     def client_gone(self) -> None:
         if not self.future.done():
