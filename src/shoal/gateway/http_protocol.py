@@ -2,14 +2,13 @@
 own protocol lacks. uvicorn's `Server` still binds, accepts, runs several processes and
 shuts down gracefully; it makes one of these per accepted socket (`uvicorn.Config(http=...)`).
 
-Why not uvicorn's `HttpToolsProtocol`: per request it builds a scope with a copy of the app's
-state, an `asyncio.Event`, a request cycle of twenty attributes and an exception wrapper
-around the app, and its `send` checks every header against two regular expressions. Measured
-by hand on this machine (a fixed answer to a POST, wrk 64 connections, one process), uvicorn
-with the gateway's former subclass of it spent 35-38 us of CPU a request and a bare httptools
-protocol with a task a request 17-21 us; this protocol's per-request work is that bare one's
-plus the ASGI scope and `receive` (~1 us). `python -m bench.http_layer` has the gateway's
-figures, docs/benchmarks.md the comparison.
+Why not uvicorn's `HttpToolsProtocol`: per request it builds a scope with a copy of the
+app's state, an `asyncio.Event`, a request cycle of twenty attributes and an exception
+wrapper around the app, and its `send` checks every header against two regular expressions.
+For a fixed answer to a POST (`python -m bench.http_floor`: one process, wrk 64 connections)
+uvicorn's protocol cost 51-76 us of CPU a request, this one 32-38 and a bare httptools
+protocol with a task a request 21-24 (docs/benchmarks.md, "The gateway's own HTTP
+protocol").
 
 Limits: a connection whose headers are not complete within `HttpTimeouts.header_s` of its
 request's first byte, or whose body is not complete within `HttpTimeouts.body_s` of its
@@ -138,10 +137,7 @@ class GatewayHttpProtocol(asyncio.Protocol):
         if self._keep_alive_timer is not None:
             self._keep_alive_timer.cancel()
             self._keep_alive_timer = None
-        for exchange in {self.answering, self.exchange, *self.pipeline}:
-            if exchange is not None and not exchange.response_complete:
-                exchange.lost()
-        self.pipeline.clear()
+        self._abandon_requests()
         if self.flow is not None:
             self.flow.resume_writing()  # a response waiting to drain learns it is gone
         self.parser = None  # type: ignore[assignment]
@@ -346,15 +342,22 @@ class GatewayHttpProtocol(asyncio.Protocol):
             b"content-length: %d\r\n" % len(body),
             b"connection: close\r\n\r\n",
         ]
-        exchange = self.exchange
-        if exchange is not None and exchange.response_started and not exchange.response_complete:
+        answering = self.answering
+        if answering is not None and answering.response_started and not answering.response_complete:
             self.transport.close()  # a response is half out: only closing tells the client
             return
-        if exchange is not None and not exchange.response_complete:
-            # The app is still reading this request's (broken) body: it answers nobody now.
-            exchange.lost()
+        # The app may still be reading this request's (broken) body, and pipelined requests
+        # wait behind it: none of them is answered now.
+        self._abandon_requests()
         self.transport.write(b"".join(head) + body)
         self._close_lingering()
+
+    def _abandon_requests(self) -> None:
+        """Every request on this connection not yet answered will not be: each is told."""
+        for exchange in {self.answering, self.exchange, *self.pipeline}:
+            if exchange is not None and not exchange.response_complete:
+                exchange.lost()
+        self.pipeline.clear()
 
     def _close_lingering(self) -> None:
         """Send what was written and a FIN, discard what still arrives, close within
