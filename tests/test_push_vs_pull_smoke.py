@@ -58,3 +58,25 @@ def test_push_vs_pull_smoke(tmp_path: Path):
 def _pythonpath() -> str:
     """The repository root (for `bench`), after whatever PYTHONPATH the run was given."""
     return os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))
+
+
+def test_a_push_cluster_whose_port_was_taken_starts_again_on_new_ports():
+    """free_port() probes a port and the child binds it later: another socket can take it
+    in between. The cluster notices its child's exit and starts again on fresh ports."""
+    import socket
+    import urllib.request
+
+    from bench.push.cluster import PushCluster
+    from shoal.catalog import resolve_model
+
+    cluster = PushCluster(
+        resolve_model("sim-zero"), workers=1, policy="rr", cap=8, max_batch_items=8
+    )
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        cluster.port = taken.getsockname()[1]  # the router's port, in use
+        with cluster:
+            assert cluster.port != taken.getsockname()[1]
+            with urllib.request.urlopen(f"{cluster.url}/healthz", timeout=5) as response:
+                assert response.status == 200

@@ -19,6 +19,10 @@ from shoal.process import child_preexec
 from shoal.protocol import ModelSpec, encode_json
 
 READY_TIMEOUT_S = 300.0
+# Ports come from free_port(): a probe, then the child's bind. Between the two, another socket
+# (the load generator's thousands of client connections take ephemeral ports) can take one,
+# and that child exits with "address already in use": the cluster starts again on new ports.
+START_ATTEMPTS = 3
 _ROOT = Path(__file__).resolve().parent.parent.parent
 
 
@@ -43,14 +47,29 @@ class PushCluster:
         self.max_batch_items = max_batch_items
         self.max_batch_tokens = max_batch_tokens
         self.max_wait_ms = max_wait_ms
-        self.worker_ports = [free_port() for _ in range(workers)]
+        self._router: subprocess.Popen[bytes] | None = None
+        self._workers: list[subprocess.Popen[bytes]] = []
+        self._choose_ports()
+
+    def _choose_ports(self) -> None:
+        self.worker_ports = [free_port() for _ in range(self.workers)]
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.metrics_urls = [f"http://127.0.0.1:{p}/metrics" for p in self.worker_ports]
-        self._router: subprocess.Popen[bytes] | None = None
-        self._workers: list[subprocess.Popen[bytes]] = []
 
     def __enter__(self) -> PushCluster:
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                self._start()
+                return self
+            except ChildExited:
+                if attempt == START_ATTEMPTS:
+                    raise
+                self._choose_ports()
+        raise AssertionError("unreachable")
+
+    def _start(self) -> None:
+        self._workers, self._router = [], None  # a failed attempt's are stopped already
         threads = max(1, (os.cpu_count() or 1) // self.workers)
         env = {
             **os.environ,
@@ -98,7 +117,6 @@ class PushCluster:
         except BaseException:
             self.__exit__()
             raise
-        return self
 
     def __exit__(self, *exc: object) -> None:
         for process in self._processes():
@@ -132,7 +150,7 @@ class PushCluster:
 def _wait_healthy(url: str, deadline: float, processes: list[subprocess.Popen[bytes]]) -> None:
     while time.monotonic() < deadline:
         if any(p.poll() is not None for p in processes):
-            raise RuntimeError("a push cluster process exited while starting")
+            raise ChildExited("a push cluster process exited while starting")
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
@@ -141,3 +159,7 @@ def _wait_healthy(url: str, deadline: float, processes: list[subprocess.Popen[by
             pass
         time.sleep(0.1)
     raise RuntimeError(f"{url} not healthy within {READY_TIMEOUT_S:.0f} s")
+
+
+class ChildExited(RuntimeError):
+    """A push cluster process exited before it answered its health check."""
