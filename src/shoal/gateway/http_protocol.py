@@ -28,17 +28,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import urllib.parse
 from collections import deque
 from collections.abc import Awaitable, Callable
 from enum import Enum
 from functools import partial
-from http import HTTPStatus
 from typing import Any
 
 import httptools
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT, FlowControl
+
+# uvicorn's status lines, and its checks that a response header cannot split the response
+# (RFC 9110's token characters in a name, no control characters but tab in a value).
+from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
 
 from shoal.api.errors import ApiError
 from shoal.config import HttpTimeouts
@@ -59,22 +61,7 @@ LINGER_S = 2.0
 # uvloop's timers count whole milliseconds: one may fire a little before its time.
 _TIMER_SLACK_S = 0.01
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
-# RFC 9110's token characters for a name, and no control characters but tab in a value: a
-# header the app builds from anything a client sent cannot split the response.
-_BAD_HEADER_NAME = re.compile(b'[\x00-\x1f\x7f()<>@,;:\\[\\]={} \t\\\\"]')
-_BAD_HEADER_VALUE = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-
-
-def _status_line(status: int) -> bytes:
-    try:
-        phrase = HTTPStatus(status).phrase.encode()
-    except ValueError:
-        phrase = b""
-    return b"HTTP/1.1 %d %s\r\n" % (status, phrase)
-
-
-STATUS_LINE = {status: _status_line(status) for status in range(100, 600)}
 
 
 class GatewayHttpProtocol(asyncio.Protocol):
@@ -413,22 +400,21 @@ class Exchange:
             raise
         except Exception as err:
             log.error("Exception in the ASGI app", exc_info=err)
-            if self.response_started or self.disconnected:
-                self.transport.close()
-                return
-            error = ApiError(500, "The gateway failed on this request", code="internal_error")
-            self.keep_alive = False
-            await self.send_whole(500, _json_headers(error.body()), error.body())
+            await self._fail("The gateway failed on this request")
             return
-        if self.disconnected or self.response_complete:
-            return
-        log.error("The ASGI app returned without completing its response")
-        if self.response_started:
+        if not (self.disconnected or self.response_complete):
+            log.error("The ASGI app returned without completing its response")
+            await self._fail("The gateway returned no response")
+
+    async def _fail(self, message: str) -> None:
+        """A 500 in the error shape, closing the connection; only a close where a response
+        is already half out (or its client gone)."""
+        if self.response_started or self.disconnected:
             self.transport.close()
             return
-        error = ApiError(500, "The gateway returned no response", code="internal_error")
+        body = ApiError(500, message, code="internal_error").body()
         self.keep_alive = False
-        await self.send_whole(500, _json_headers(error.body()), error.body())
+        await self.send_whole(500, _json_headers(body), body)
 
     # -- the protocol's calls --------------------------------------------------------------
 
@@ -525,7 +511,7 @@ class Exchange:
         length: int | None = None
         close = False
         for name, value in (*self.connection.server_state.default_headers, *headers):
-            if _BAD_HEADER_NAME.search(name) or _BAD_HEADER_VALUE.search(value):
+            if HEADER_RE.search(name) or HEADER_VALUE_RE.search(value):
                 raise RuntimeError(f"Invalid response header {name!r}")
             name = name.lower()
             if name == b"content-length":
