@@ -17,12 +17,8 @@ import json
 import time
 import urllib.request
 
-from bench.harness import (
-    UpCluster,
-    free_port,
-    machine_facts,
-    write_result,
-)
+from bench.harness import UpCluster, machine_facts, write_result
+from shoal.process import free_port
 
 MODEL = "sim-flood"
 

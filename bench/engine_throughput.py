@@ -46,7 +46,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.harness import UpCluster, cpu_share, free_port, machine_facts, write_result
+from bench.harness import UpCluster, cpu_share, machine_facts, write_result
+from shoal.process import free_port
 from shoal.runtimes.engine import engine_command as runtime_command
 from shoal.runtimes.model_files import resolve_source
 

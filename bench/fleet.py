@@ -51,6 +51,7 @@ from bench.harness import (
     write_result,
     wrk_available,
 )
+from shoal.process import child_preexec
 from shoal.state.workers import WorkerState
 
 EMBED_MODEL = "all-MiniLM-L6-v2"
@@ -325,6 +326,7 @@ def start_worker(up: UpCluster, flags: list[str]) -> subprocess.Popen[str]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         text=True,
+        preexec_fn=child_preexec,
     )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

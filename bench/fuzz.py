@@ -33,6 +33,8 @@ import httpx
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from shoal.process import child_preexec, free_port
+
 EMBED_MODEL = "fuzz-embed"
 GENERATE_MODEL = "fuzz-generate"
 ADMIN_TOKEN = "fuzz-admin-token"
@@ -405,7 +407,7 @@ class FuzzCluster:
 
         self.nats = EmbeddedNats(store_dir=self.dir / "nats")
         self.nats.start()
-        port = _free_port()
+        port = free_port()
         self._spawn("gateway", "gateway", "--nats", self.nats.url, "--port", str(port))
         self.url = f"http://127.0.0.1:{port}"
         for model, args in WORKER_ARGS.items():
@@ -440,6 +442,7 @@ class FuzzCluster:
                 env=self.env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                preexec_fn=child_preexec,
             )
 
     def dead(self) -> list[str]:
@@ -451,14 +454,6 @@ class FuzzCluster:
         }
         logs["nats-server"] = self.nats.log_tail()
         return logs
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main() -> None:

@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,16 +23,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench.loadgen import SMALL_TEXT, LoadResult, quantile
+from shoal.process import child_preexec, free_port
 
 RESULTS_DIR = Path(__file__).parent / "results"
 
 SENTENCE = SMALL_TEXT  # the one short sentence every benchmark sends
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class UpCluster:
@@ -56,6 +50,7 @@ class UpCluster:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            preexec_fn=child_preexec,  # a benchmark killed mid-run leaves no cluster behind
         )
         assert self.process.stdout is not None
         for line in self.process.stdout:

@@ -28,7 +28,8 @@ import sys
 import time
 from typing import Any
 
-from bench.harness import free_port, process_cpu_seconds, run_wrk, wrk_available
+from bench.harness import process_cpu_seconds, run_wrk, wrk_available
+from shoal.process import child_preexec, free_port
 
 SERVERS = ("uvicorn", "gateway", "bare")
 _BODY = (
@@ -133,7 +134,8 @@ def measure(server: str, connections: int, seconds: int) -> tuple[float, float]:
     """(requests/s, server CPU us a request) of one wrk window against a fresh `server`."""
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "bench.http_floor", "--serve", server, "--port", str(port)]
+        [sys.executable, "-m", "bench.http_floor", "--serve", server, "--port", str(port)],
+        preexec_fn=child_preexec,
     )
     try:
         _wait_for_port(port)

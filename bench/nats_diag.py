@@ -27,7 +27,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.harness import free_port
+from shoal.process import free_port
 
 # The MemStats lines the sample keeps (bytes, except NumGC).
 MEMSTATS = (

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from shoal.broker.jetstream import ensure_work_stream
 from shoal.cluster_auth import ADMIN, ClusterCredentials
 from shoal.config import NatsAuth, QueueSettings, WorkerSettings
 from shoal.observability.metrics import BusyMeter, WorkerMetrics
+from shoal.process import free_port
 from shoal.protocol import ModelSpec, encode_json, name_token
 from shoal.state.deployments import ensure_models_kv
 from shoal.state.workers import WorkerState, WorkerStatus, read_worker_statuses
@@ -31,12 +31,6 @@ from shoal.worker.schedulers.base import SchedulerContext
 
 # Short enough that the SIGKILL test sees redelivery within seconds.
 TEST_ENV = {"SHOAL_ACK_WAIT": "2", "SHOAL_THREADS": "1", "SHOAL_LOG_LEVEL": "WARNING"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

@@ -17,7 +17,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -39,6 +38,7 @@ from shoal.broker.jetstream import ensure_model_consumer, ensure_work_stream
 from shoal.catalog import BUILTIN_MODELS
 from shoal.cli import build_parser
 from shoal.config import QueueSettings
+from shoal.process import free_port
 from shoal.protocol import WORK_STREAM, WORK_SUBJECT_PREFIX, consumer_name, work_subject
 from shoal.state.deployments import MODELS_BUCKET
 from shoal.state.profiles import PROFILES_BUCKET
@@ -561,12 +561,6 @@ def test_nats_values_make_a_three_node_jetstream_cluster_on_pvcs() -> None:
 # -- the NATS account and KEDA's view of the queue, on a real server ------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _nats_conf(values: dict[str, Any], store: Path, port: int, http_port: int) -> str:
     """The server config the chart makes of `config.merge` (JSON, `<< x >>` left unquoted)."""
     merged = {
@@ -598,7 +592,7 @@ def test_keda_sees_the_backlog_of_the_pool_with_work_and_not_of_the_idle_one(
 ) -> None:
     values = yaml.safe_load((DEPLOY / "nats" / "values.yaml").read_text())
     password = "0123456789abcdef"
-    port, http_port = _free_port(), _free_port()
+    port, http_port = free_port(), free_port()
     conf = tmp_path / "nats.conf"
     conf.write_text(_nats_conf(values, tmp_path / "js", port, http_port))
     server = subprocess.Popen(

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import socket
 import time
 from collections import deque
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -11,10 +14,13 @@ import pytest
 
 from shoal.api.errors import ApiError
 from shoal.catalog import resolve_model
+from shoal.gateway.committer import GroupCommitter
 from shoal.observability.metrics import BusyMeter
+from shoal.process import FIRST_CHILD_PORT, free_port
 from shoal.protocol import (
     Endpoint,
     UniqueIds,
+    WorkRequest,
     is_valid_model_name,
     name_token,
     work_subject,
@@ -301,3 +307,51 @@ def test_a_pull_fits_the_room_even_if_every_message_is_as_large_as_the_largest_l
     assert messages_for_room(10, [1, 16]) == 1  # at least one
     assert messages_for_room(32, [1] * 32) == 32
     assert messages_for_room(32, []) == 32
+
+
+def test_a_request_that_waits_only_for_its_reply_hears_a_refusal_and_nothing_else():
+    """GroupCommitter.submit_nowait: a refused envelope's error lands on each request's reply
+    future; a stored one leaves the futures to their replies; a dropped future is skipped."""
+    refuse = {"envelope": True}
+    published: list[bytes] = []
+
+    async def publish(subject: str, payload: bytes, envelope_id: str) -> None:
+        published.append(payload)
+        await asyncio.sleep(0)
+        if refuse["envelope"]:
+            raise ApiError(429, "The queue for this model is full")
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        committer = GroupCommitter("_INBOX.gw", publish, lambda model: None)
+        refused = [loop.create_future() for _ in range(3)]
+        refused[2].cancel()  # its client left before the publish came back
+        for i, future in enumerate(refused):
+            committer.submit_nowait("m", _work_request(f"r{i}"), future)
+        await asyncio.sleep(0.01)
+        assert [f.exception().status for f in refused[:2]] == [429, 429]
+        assert refused[2].cancelled()
+
+        refuse["envelope"] = False
+        stored = loop.create_future()
+        committer.submit_nowait("m", _work_request("r3"), stored)
+        await committer.submit("m", _work_request("r4"))  # the waiting kind: returns
+        assert not stored.done()  # nothing but its reply may answer it
+
+    asyncio.run(run())
+    assert len(published) == 2  # the three refused went together, then r3 with r4
+
+
+def _work_request(request_id: str) -> WorkRequest:
+    return WorkRequest(request_id, Endpoint.EMBEDDINGS.value, 0, 1, b"{}")
+
+
+def test_a_port_for_a_child_is_free_and_outside_the_ephemeral_range():
+    """Outgoing connections take their local ports from the ephemeral range: a port handed
+    to a child from below it cannot be taken by one before the child binds."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [free_port() for _ in range(20)]
+    assert all(FIRST_CHILD_PORT <= port < low for port in ports), ports
+    for port in ports:  # each is free, as promised
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))

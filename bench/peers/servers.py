@@ -15,8 +15,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.harness import free_port, process_cpu_seconds, process_tree
-from shoal.process import child_preexec
+from bench.harness import process_cpu_seconds, process_tree
+from shoal.process import child_preexec, free_port
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 PEERS_DIR = ROOT / "bench" / ".peers"

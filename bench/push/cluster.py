@@ -14,14 +14,15 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.harness import free_port, process_cpu_seconds
-from shoal.process import child_preexec
+from bench.harness import process_cpu_seconds
+from shoal.process import child_preexec, free_port
 from shoal.protocol import ModelSpec, encode_json
 
 READY_TIMEOUT_S = 300.0
 # Ports come from free_port(): a probe, then the child's bind. Between the two, another socket
-# (the load generator's thousands of client connections take ephemeral ports) can take one,
-# and that child exits with "address already in use": the cluster starts again on new ports.
+# can take one (before free_port() kept below the ephemeral range, a client connection of the
+# load generator did), and that child exits with "address already in use": the cluster starts
+# again on new ports.
 START_ATTEMPTS = 3
 _ROOT = Path(__file__).resolve().parent.parent.parent
 

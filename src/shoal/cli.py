@@ -37,6 +37,7 @@ from shoal.config import (
     env_default,
     local_gateway_processes,
 )
+from shoal.process import free_port
 from shoal.protocol import ModelSpec, Task, is_valid_model_name
 from shoal.runtimes.registry import check_runtime
 
@@ -387,7 +388,7 @@ def _up(args: argparse.Namespace) -> int:
     options = UpOptions(
         model=_model_spec(args),
         host=args.host,
-        port=args.port or _free_port(args.host),
+        port=args.port or free_port(args.host),
         workers=args.workers,
         nats_url=nats_url,
         nats_auth=nats_auth,
@@ -806,11 +807,3 @@ async def _jetstream(args: argparse.Namespace, name: str):
         yield nc.jetstream()
     finally:
         await nc.close()
-
-
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]

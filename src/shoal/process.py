@@ -1,12 +1,16 @@
 """Process-level setup shared by Shoal's processes: child-process hygiene for everything that
-starts processes, and the garbage collector's setting for those that serve requests."""
+starts processes (and the ports their children bind), and the garbage collector's setting for
+those that serve requests."""
 
 from __future__ import annotations
 
 import ctypes
 import gc
+import random
 import signal
+import socket
 import sys
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 
@@ -19,6 +23,50 @@ def child_preexec() -> None:
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+# Ports handed to children come from here up to the kernel's ephemeral range (below).
+FIRST_CHILD_PORT = 20_000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_PORT_TRIES = 64
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that nothing holds now, for a child process to bind.
+
+    It is chosen below the kernel's ephemeral range where there is one: a port from bind(0)
+    is an ephemeral port, which any outgoing connection (a load client's, a NATS client's)
+    may take as its own local port between this probe and the child's bind; a benchmark's
+    push cluster lost its router's port that way under load. Below the range only another
+    explicit bind can take it. Falls back to bind(0) where no such port is free.
+    """
+    first_ephemeral = _first_ephemeral_port()
+    if first_ephemeral > FIRST_CHILD_PORT:
+        for _ in range(_PORT_TRIES):
+            port = random.randrange(FIRST_CHILD_PORT, first_ephemeral)
+            if _bindable(host, port):
+                return port
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _first_ephemeral_port() -> int:
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: no range to stay below
+        return 0
+
+
+def _bindable(host: str, port: int) -> bool:
+    # No SO_REUSEADDR: a port with connections still in TIME_WAIT is refused too, so a child
+    # that binds without the option finds it free as well.
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 # CPython runs a young-generation collection whenever the container objects allocated and not

@@ -15,7 +15,6 @@ every queued request on three nodes and loses none when one of them dies.
 from __future__ import annotations
 
 import logging
-import socket
 import tempfile
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from nats.js import JetStreamContext
 
 from shoal.broker.embedded import EmbeddedNats
 from shoal.config import env_default
+from shoal.process import free_port
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +39,12 @@ class LocalCluster:
         if nodes < 1:
             raise ValueError("a cluster has at least one node")
         root = Path(store_dir or tempfile.mkdtemp(prefix="shoal-nats-cluster-"))
-        route_ports = [_free_port() for _ in range(nodes)]
+        route_ports = [free_port() for _ in range(nodes)]
         routes = ",".join(f"nats://127.0.0.1:{port}" for port in route_ports)
         self.nodes = [
             EmbeddedNats(
                 store_dir=root / f"node{index + 1}",
-                port=_free_port(),
+                port=free_port(),
                 config_file=config_file,  # the users and permissions, as on one server
                 extra_args=node_args(index, f"nats://127.0.0.1:{route_ports[index]}", routes),
             )
@@ -108,9 +108,3 @@ def report_replicas(name: str, replicas: int, wanted: int) -> None:
             wanted,
             wanted,
         )
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

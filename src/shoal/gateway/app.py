@@ -388,10 +388,11 @@ class Gateway:
     async def _queue(self, model: str, endpoint: Endpoint, request: WorkRequest) -> None:
         """Put one request on the model's queue; returns once JetStream stored it."""
         self._connected_js()  # 503 at once while NATS is away
-        # Generation travels alone: its worker pulls as many requests as it has free slots.
-        alone = endpoint in (Endpoint.COMPLETIONS, Endpoint.CHAT_COMPLETIONS)
+        if _shares_an_envelope(endpoint, request):
+            await self.committer.submit(model, request)
+            return
         if len(request.body) <= INLINE_BODY_BYTES:
-            await self.committer.submit(model, request, alone=alone)
+            await self.committer.submit(model, request, alone=True)
             return
         # Too large for a work message on any NATS: the body waits beside the queue.
         await self._store_body(request)
@@ -446,9 +447,15 @@ class Gateway:
         self.waiting.add(future, receive, timeout_s)  # its deadline, its client leaving
         try:
             request = self._work_request(request_id, endpoint, body, False, idempotency_key)
-            await self._queue(model, endpoint, request)
-            if on_queued is not None:
-                await on_queued()
+            if on_queued is None and _shares_an_envelope(endpoint, request):
+                # Not waiting for JetStream's answer saves a task wake-up a request; a refusal
+                # (429, 503) comes on `future` instead.
+                self._connected_js()
+                self.committer.submit_nowait(model, request, future)
+            else:
+                await self._queue(model, endpoint, request)
+                if on_queued is not None:
+                    await on_queued()
             reply = await future
         except TimeoutError:
             raise ApiError(504, f"No result within {timeout_s:g} s", code="timeout") from None
@@ -458,6 +465,7 @@ class Gateway:
         finally:
             self.replies.forget(request_id)
             self.waiting.remove(future)
+            future.cancel()  # a refusal that comes later has nobody to tell
         return reply.status, reply.body
 
     async def _idempotent(
@@ -767,6 +775,16 @@ def _shutting_down() -> ApiError:
     return ApiError(
         503, "The gateway is shutting down; retry the request", code="shutting_down", retry_after=1
     )
+
+
+def _shares_an_envelope(endpoint: Endpoint, request: WorkRequest) -> bool:
+    """Whether a request goes to the queue in a shared envelope (gateway/committer.py).
+
+    Generation travels alone (its worker pulls as many requests as it has free slots), and
+    a body too large for an envelope waits beside the queue (broker/bodies.py).
+    """
+    generation = endpoint in (Endpoint.COMPLETIONS, Endpoint.CHAT_COMPLETIONS)
+    return not generation and len(request.body) <= INLINE_BODY_BYTES
 
 
 def _idempotency_key(headers: list[tuple[bytes, bytes]]) -> str | None:

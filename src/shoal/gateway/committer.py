@@ -4,7 +4,9 @@ for that model is in flight go to the queue together, in one JetStream message.
 No timer: an idle gateway publishes a request the moment it arrives (one event-loop turn
 later), so nothing waits that would not have waited anyway; under load each JetStream
 publish, its acknowledgement and each worker's fetch and ack are shared by many requests.
-A request learns that it was stored (or why not) when its envelope's publish returns.
+A request learns that it was stored (or why not) when its envelope's publish returns; one
+that only waits for its reply learns only why not, on its reply's future (`submit_nowait`),
+so its task wakes once a request instead of twice.
 Generation requests travel alone: a generative worker pulls exactly as many as it has free
 decode slots.
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import Any, NamedTuple
 
 from shoal.broker.bodies import INLINE_BODY_BYTES
 from shoal.protocol import (
@@ -50,7 +53,7 @@ class GroupCommitter:
         self._reply_to = reply_to
         self._publish = publish
         self._smallest_budget = smallest_budget
-        self._pending: dict[str, list[tuple[WorkRequest, asyncio.Future[None]]]] = {}  # by model
+        self._pending: dict[str, list[_Entry]] = {}  # by model
         self._flushing: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._envelope_ids = UniqueIds()  # JetStream deduplicates a retried publish on them
@@ -61,14 +64,23 @@ class GroupCommitter:
         if alone:
             await self._send(work_subject(model), [request])
             return
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.setdefault(model, []).append((request, future))
+        stored: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._add(model, _Entry(request, stored, True))
+        await stored
+
+    def submit_nowait(self, model: str, request: WorkRequest, refused: asyncio.Future[Any]) -> None:
+        """Queue one request for `model` and return at once: if JetStream does not store it,
+        the error is set on `refused` (the future its client waits on for the reply), which is
+        otherwise left alone."""
+        self._add(model, _Entry(request, refused, False))
+
+    def _add(self, model: str, entry: _Entry) -> None:
+        self._pending.setdefault(model, []).append(entry)
         if model not in self._flushing:
             self._flushing.add(model)
             task = asyncio.create_task(self._flush(model))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        await future
 
     async def _flush(self, model: str) -> None:
         subject = work_subject(model)
@@ -77,15 +89,15 @@ class GroupCommitter:
                 taken = _take(pending, envelope_cap(self._smallest_budget(model)))
                 del pending[: len(taken)]
                 try:
-                    await self._send(subject, [request for request, _ in taken])
+                    await self._send(subject, [entry.request for entry in taken])
                 except Exception as err:
-                    for _, future in taken:
-                        if not future.done():
-                            future.set_exception(err)
+                    for entry in taken:
+                        if not entry.future.done():
+                            entry.future.set_exception(err)
                 else:
-                    for _, future in taken:
-                        if not future.done():
-                            future.set_result(None)
+                    for entry in taken:
+                        if entry.told_stored and not entry.future.done():
+                            entry.future.set_result(None)
         finally:
             self._flushing.discard(model)
             if not self._pending.get(model):
@@ -104,14 +116,20 @@ def envelope_cap(smallest_budget: int | None) -> int:
     return max(1, min(MAX_REQUESTS_PER_ENVELOPE, smallest_budget // 2))
 
 
-def _take(
-    pending: list[tuple[WorkRequest, asyncio.Future[None]]], max_requests: int
-) -> list[tuple[WorkRequest, asyncio.Future[None]]]:
+class _Entry(NamedTuple):
+    """A request waiting for its envelope, and the future that hears how its publish went."""
+
+    request: WorkRequest
+    future: asyncio.Future[Any]
+    told_stored: bool  # False: the future hears only a refusal (submit_nowait)
+
+
+def _take(pending: list[_Entry], max_requests: int) -> list[_Entry]:
     """The next envelope's requests: the first always, then while they fit the limits."""
     taken = [pending[0]]
-    size = len(pending[0][0].body)
+    size = len(pending[0].request.body)
     for entry in pending[1:max_requests]:
-        size += len(entry[0].body)
+        size += len(entry.request.body)
         if size > MAX_ENVELOPE_BYTES:
             break
         taken.append(entry)

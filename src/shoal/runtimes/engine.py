@@ -61,7 +61,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from shoal.process import child_preexec
+from shoal.process import child_preexec, free_port
 from shoal.runtimes.model_files import resolve_source
 
 DEFAULT_HEALTH = "/v1/models"
@@ -233,14 +233,6 @@ def check_engine_adapter_base(options: dict[str, Any]) -> None:
         )
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
-
-
 @dataclass(slots=True)
 class EngineReply:
     """A whole (not streamed) answer of the engine: its status and its body."""
@@ -346,7 +338,7 @@ class EngineRuntime:
         return text[-LOG_TAIL_CHARS:].strip()
 
     def _spawn(self) -> None:
-        self.port = _free_port()
+        self.port = free_port(HOST)
         argv = self._command.resolved(
             port=self.port, source=self._source, model=self.name, threads=self._threads
         )
