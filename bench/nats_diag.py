@@ -27,7 +27,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from shoal.process import free_port
+from shoal.process import free_ports
 
 # The MemStats lines the sample keeps (bytes, except NumGC).
 MEMSTATS = (
@@ -149,8 +149,7 @@ class NatsDiagnostics(threading.Thread):
     def __init__(self, interval_s: float = 30.0, profile_dir: Path | None = None) -> None:
         super().__init__(daemon=True)
         self.profile_dir = profile_dir  # where each raw heap profile is kept, if anywhere
-        self.monitor_port = free_port()
-        self.profile_port = free_port()
+        self.monitor_port, self.profile_port = free_ports(2)
         self.interval_s = interval_s
         self.store_dir: Path | None = None
         self.samples: list[dict] = []

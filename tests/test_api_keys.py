@@ -22,7 +22,7 @@ from typing import TypeVar
 
 import httpx
 import pytest
-from conftest import TEST_ENV, Launcher, free_port, wait_until
+from conftest import TEST_ENV, Launcher, wait_until
 
 from shoal.api.errors import ApiError
 from shoal.broker.connection import connect
@@ -30,6 +30,7 @@ from shoal.broker.embedded import EmbeddedNats
 from shoal.config import GatewaySettings
 from shoal.gateway.app import Gateway
 from shoal.gateway.auth import ApiKeyAuth, api_keys_required, is_loopback
+from shoal.process import free_port
 from shoal.runtimes.sim import pseudo_embedding
 from shoal.state.keys import (
     ApiKeyError,

@@ -13,10 +13,11 @@ import sys
 from pathlib import Path
 
 import httpx
-from conftest import TEST_ENV, Launcher, free_port, wait_until
+from conftest import TEST_ENV, Launcher, wait_until
 from test_up import UpProcess
 
 from shoal.broker.embedded import EmbeddedNats
+from shoal.process import free_port
 
 
 def shoal(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -38,7 +38,7 @@ from shoal.broker.jetstream import ensure_model_consumer, ensure_work_stream
 from shoal.catalog import BUILTIN_MODELS
 from shoal.cli import build_parser
 from shoal.config import QueueSettings
-from shoal.process import free_port
+from shoal.process import free_ports
 from shoal.protocol import WORK_STREAM, WORK_SUBJECT_PREFIX, consumer_name, work_subject
 from shoal.state.deployments import MODELS_BUCKET
 from shoal.state.profiles import PROFILES_BUCKET
@@ -592,7 +592,7 @@ def test_keda_sees_the_backlog_of_the_pool_with_work_and_not_of_the_idle_one(
 ) -> None:
     values = yaml.safe_load((DEPLOY / "nats" / "values.yaml").read_text())
     password = "0123456789abcdef"
-    port, http_port = free_port(), free_port()
+    port, http_port = free_ports(2)
     conf = tmp_path / "nats.conf"
     conf.write_text(_nats_conf(values, tmp_path / "js", port, http_port))
     server = subprocess.Popen(

@@ -6,10 +6,11 @@ import asyncio
 
 import httpx
 import pytest
-from conftest import deploy_without_workers, free_port, wait_until, worker_status
+from conftest import deploy_without_workers, wait_until, worker_status
 
 from shoal.broker.embedded import EmbeddedNats
 from shoal.config import QueueSettings
+from shoal.process import free_port
 from shoal.protocol import ModelSpec
 from shoal.runtimes.sim import pseudo_embedding
 

@@ -14,12 +14,12 @@ from collections import Counter
 
 import httpx
 import psutil
-from conftest import free_port, wait_until
+from conftest import wait_until
 
 from shoal.config import GatewaySettings, NatsAuth
 from shoal.gateway import server
 from shoal.gateway.app import FIRST_CONNECTION_WAIT_S
-from shoal.process import YOUNG_GENERATION_THRESHOLD
+from shoal.process import YOUNG_GENERATION_THRESHOLD, free_port, free_ports
 
 MODEL = "sim-gateways"
 ROUTE = "/v1/embeddings"
@@ -115,8 +115,8 @@ def test_a_gateway_process_serves_only_once_it_can_queue(nats_server, launcher):
 
 def test_a_gateway_process_serves_after_a_bounded_wait_for_nats(launcher):
     """NATS away: the processes serve after `FIRST_CONNECTION_WAIT_S`, alive and not ready."""
-    port = free_port()
-    nats_url = f"nats://127.0.0.1:{free_port()}"
+    port, nats_port = free_ports(2)
+    nats_url = f"nats://127.0.0.1:{nats_port}"
     started = time.monotonic()
     gateway = launcher.spawn("gateway", "--nats", nats_url, "--port", str(port), "--gateways", "2")
     wait_until(lambda: _listens(port), 30, gateway)

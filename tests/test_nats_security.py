@@ -26,7 +26,7 @@ import nats
 import nats.errors
 import numpy as np
 import pytest
-from conftest import TEST_ENV, free_port, wait_until
+from conftest import TEST_ENV, wait_until
 from nats.aio.client import Client
 from nats.js.api import ConsumerConfig
 
@@ -45,6 +45,7 @@ from shoal.cluster_auth import (
     create_cluster_credentials,
 )
 from shoal.config import NatsAuth, QueueSettings
+from shoal.process import free_port
 from shoal.protocol import (
     WORK_STREAM,
     ModelSpec,

@@ -23,10 +23,11 @@ import httpx
 import numpy as np
 import psutil
 import pytest
-from conftest import TEST_ENV, cluster_admin_auth, free_port, worker_status
+from conftest import TEST_ENV, cluster_admin_auth, worker_status
 
 from shoal.broker.connection import connect
 from shoal.broker.jetstream import WORK_STREAM, consumer_name
+from shoal.process import free_port
 from shoal.runtimes.sim import pseudo_embedding
 from shoal.state.workers import WorkerState
 

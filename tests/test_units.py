@@ -16,7 +16,7 @@ from shoal.api.errors import ApiError
 from shoal.catalog import resolve_model
 from shoal.gateway.committer import GroupCommitter
 from shoal.observability.metrics import BusyMeter
-from shoal.process import FIRST_CHILD_PORT, free_port
+from shoal.process import FIRST_CHILD_PORT, free_port, free_ports
 from shoal.protocol import (
     Endpoint,
     UniqueIds,
@@ -350,8 +350,9 @@ def test_a_port_for_a_child_is_free_and_outside_the_ephemeral_range():
     """Outgoing connections take their local ports from the ephemeral range: a port handed
     to a child from below it cannot be taken by one before the child binds."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    ports = [free_port() for _ in range(20)]
+    ports = [free_port(), *free_ports(40)]
     assert all(FIRST_CHILD_PORT <= port < low for port in ports), ports
+    assert len(set(ports[1:])) == 40  # chosen together: all different
     for port in ports:  # each is free, as promised
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))

@@ -16,9 +16,10 @@ import numpy as np
 import openai
 import psutil
 import pytest
-from conftest import TEST_ENV, free_port, wait_until
+from conftest import TEST_ENV, wait_until
 
 from shoal.config import local_gateway_processes
+from shoal.process import free_port, free_ports
 from shoal.runtimes.sim import pseudo_embedding
 
 
@@ -142,9 +143,10 @@ def test_up_gives_the_gateway_processes_by_cores(cores, processes):
 
 
 def test_a_second_up_on_the_same_state_dir_is_refused(tmp_path):
-    first = UpProcess(tmp_path, "--model", "sim-zero", "--port", str(free_port()))
+    ports = free_ports(2)
+    first = UpProcess(tmp_path, "--model", "sim-zero", "--port", str(ports[0]))
     first.wait_for("Ctrl-C", 60)
-    second = UpProcess(tmp_path, "--model", "sim-zero", "--port", str(free_port()))
+    second = UpProcess(tmp_path, "--model", "sim-zero", "--port", str(ports[1]))
     assert second.process.wait(30) == 1
     assert "already running" in "".join(second.output)
     _assert_stops_cleanly(first, signal.SIGTERM)

@@ -15,14 +15,14 @@ import urllib.request
 from pathlib import Path
 
 from bench.harness import process_cpu_seconds
-from shoal.process import child_preexec, free_port
+from shoal.process import child_preexec, free_ports
 from shoal.protocol import ModelSpec, encode_json
 
 READY_TIMEOUT_S = 300.0
-# Ports come from free_port(): a probe, then the child's bind. Between the two, another socket
-# can take one (before free_port() kept below the ephemeral range, a client connection of the
-# load generator did), and that child exits with "address already in use": the cluster starts
-# again on new ports.
+# Ports come from free_ports(): a probe, then the child's bind. Between the two, another socket
+# can take one, and that child exits with "address already in use": the cluster starts again
+# on new ports. (Before free_ports() chose them together, two children could be handed the
+# same port, and the second's exit went unseen behind the first's health check.)
 START_ATTEMPTS = 3
 _ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -53,8 +53,7 @@ class PushCluster:
         self._choose_ports()
 
     def _choose_ports(self) -> None:
-        self.worker_ports = [free_port() for _ in range(self.workers)]
-        self.port = free_port()
+        self.port, *self.worker_ports = free_ports(1 + self.workers)
         self.url = f"http://127.0.0.1:{self.port}"
         self.metrics_urls = [f"http://127.0.0.1:{p}/metrics" for p in self.worker_ports]
 

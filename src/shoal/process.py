@@ -4,6 +4,7 @@ those that serve requests."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import random
@@ -32,23 +33,44 @@ _PORT_TRIES = 64
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on `host` that nothing holds now, for a child process to bind.
+    """A TCP port on `host` that nothing holds now, for a child process to bind (see
+    `free_ports`, which a caller wanting several at once must use)."""
+    return free_ports(1, host)[0]
 
-    It is chosen below the kernel's ephemeral range where there is one: a port from bind(0)
-    is an ephemeral port, which any outgoing connection (a load client's, a NATS client's)
-    may take as its own local port between this probe and the child's bind; a benchmark's
-    push cluster lost its router's port that way under load. Below the range only another
-    explicit bind can take it. Falls back to bind(0) where no such port is free.
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` different TCP ports on `host` that nothing holds now, for child processes to
+    bind.
+
+    They are chosen below the kernel's ephemeral range where there is one: a port from
+    bind(0) is an ephemeral port, which any outgoing connection (a load client's, a NATS
+    client's) may take as its own local port between this probe and the child's bind. Each
+    probe's socket stays bound until all are chosen, so no two are the same (picked one at a
+    time, 25 random ports for a push cluster collide about 2% of the time: a benchmark lost
+    a worker that way). Falls back to bind(0) where no such port is free.
     """
     first_ephemeral = _first_ephemeral_port()
+    with contextlib.ExitStack() as held:
+        ports: list[int] = []
+        for _ in range(count):
+            sock = held.enter_context(socket.socket())
+            ports.append(_bind_one(sock, host, first_ephemeral))
+        return ports
+
+
+def _bind_one(sock: socket.socket, host: str, first_ephemeral: int) -> int:
+    # No SO_REUSEADDR: a port with connections still in TIME_WAIT is refused too, so a child
+    # that binds without the option finds it free as well.
     if first_ephemeral > FIRST_CHILD_PORT:
         for _ in range(_PORT_TRIES):
             port = random.randrange(FIRST_CHILD_PORT, first_ephemeral)
-            if _bindable(host, port):
-                return port
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    sock.bind((host, 0))
+    return sock.getsockname()[1]
 
 
 def _first_ephemeral_port() -> int:
@@ -56,17 +78,6 @@ def _first_ephemeral_port() -> int:
         return int(_EPHEMERAL_RANGE.read_text().split()[0])
     except (OSError, ValueError, IndexError):  # not Linux: no range to stay below
         return 0
-
-
-def _bindable(host: str, port: int) -> bool:
-    # No SO_REUSEADDR: a port with connections still in TIME_WAIT is refused too, so a child
-    # that binds without the option finds it free as well.
-    with socket.socket() as sock:
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 # CPython runs a young-generation collection whenever the container objects allocated and not

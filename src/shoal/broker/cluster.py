@@ -22,7 +22,7 @@ from nats.js import JetStreamContext
 
 from shoal.broker.embedded import EmbeddedNats
 from shoal.config import env_default
-from shoal.process import free_port
+from shoal.process import free_ports
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +39,13 @@ class LocalCluster:
         if nodes < 1:
             raise ValueError("a cluster has at least one node")
         root = Path(store_dir or tempfile.mkdtemp(prefix="shoal-nats-cluster-"))
-        route_ports = [free_port() for _ in range(nodes)]
+        ports = free_ports(2 * nodes)
+        route_ports, client_ports = ports[:nodes], ports[nodes:]
         routes = ",".join(f"nats://127.0.0.1:{port}" for port in route_ports)
         self.nodes = [
             EmbeddedNats(
                 store_dir=root / f"node{index + 1}",
-                port=free_port(),
+                port=client_ports[index],
                 config_file=config_file,  # the users and permissions, as on one server
                 extra_args=node_args(index, f"nats://127.0.0.1:{route_ports[index]}", routes),
             )
