@@ -21,8 +21,8 @@ from shoal.protocol import ModelSpec, encode_json
 READY_TIMEOUT_S = 300.0
 # Ports come from free_ports(): a probe, then the child's bind. Between the two, another socket
 # can take one, and that child exits with "address already in use": the cluster starts again
-# on new ports. (Before free_ports() chose them together, two children could be handed the
-# same port, and the second's exit went unseen behind the first's health check.)
+# on new ports. (Chosen one at a time, two children could be handed the same port, and the
+# second's exit went unseen behind the first's health check: free_ports() chooses them together.)
 START_ATTEMPTS = 3
 _ROOT = Path(__file__).resolve().parent.parent.parent
 

@@ -46,8 +46,9 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     bind(0) is an ephemeral port, which any outgoing connection (a load client's, a NATS
     client's) may take as its own local port between this probe and the child's bind. Each
     probe's socket stays bound until all are chosen, so no two are the same (picked one at a
-    time, 25 random ports for a push cluster collide about 2% of the time: a benchmark lost
-    a worker that way). Falls back to bind(0) where no such port is free.
+    time, 25 random ports for a push cluster collide about 2% of the time, and a benchmark's
+    push cluster lost a worker to "address already in use" on such a port). Falls back to
+    bind(0) where no such port is free.
     """
     first_ephemeral = _first_ephemeral_port()
     with contextlib.ExitStack() as held:
