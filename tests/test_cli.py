@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 from conftest import TEST_ENV, Launcher, wait_until
 from test_up import UpProcess
 
@@ -179,3 +180,24 @@ def test_up_shows_each_worker_loading(tmp_path: Path):
     up.wait_for("Shoal is up", 10)
     up.process.send_signal(signal.SIGINT)
     assert up.process.wait(40) == 0
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "choices"),
+    [
+        ("SHOAL_BATCH_WAIT", "eager", "adaptive, off"),
+        ("SHOAL_HTTP_SERVER", "hypercorn", "uvicorn, granian"),
+        ("SHOAL_API_KEYS", "sometimes", "auto, required, off"),
+    ],
+)
+def test_an_environment_setting_outside_its_choices_stops_shoal_up_at_once(
+    tmp_path: Path, variable: str, value: str, choices: str
+):
+    """Checked like the flag it defaults: before, `SHOAL_BATCH_WAIT=eager shoal up` started a
+    cluster whose workers each exited on `--batch-wait eager`, again and again."""
+    done = shoal(
+        "up", "--model", "sim-embed", env={"SHOAL_STATE_DIR": str(tmp_path), variable: value}
+    )
+    assert done.returncode == 1
+    assert f"{variable}={value!r} is not one of: {choices}" in done.stderr
+    assert not (tmp_path / "cluster.json").exists()  # nothing was started

@@ -28,12 +28,15 @@ from shoal.cluster_file import (
 )
 from shoal.config import (
     API_KEY_MODES,
+    BATCH_WAITS,
+    HTTP_SERVERS,
     GatewaySettings,
     HttpTimeouts,
     LatencyTargets,
     QueueSettings,
     WorkerSettings,
     default_memory_budget_mb,
+    env_choice,
     env_default,
     local_gateway_processes,
 )
@@ -116,8 +119,8 @@ def _add_batching(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--batch-wait",
-        choices=("adaptive", "off"),
-        default=env_default("BATCH_WAIT", "adaptive"),
+        choices=BATCH_WAITS,
+        default=env_choice("BATCH_WAIT", "adaptive", BATCH_WAITS),
         help="adaptive: wait a little for a fuller batch when the measured cost curve says it "
         "pays (default); off: run whatever is held at once (eager)",
     )
@@ -173,11 +176,11 @@ def _add_gateway(parser: argparse.ArgumentParser, processes: int) -> None:
         help="no API keys, even off loopback: anyone who reaches the gateway uses every model",
     )
     # Default (env SHOAL_API_KEYS=auto|required|off): keys required unless on loopback only.
-    parser.set_defaults(api_keys=env_default("API_KEYS", GatewaySettings.api_keys))
+    parser.set_defaults(api_keys=env_choice("API_KEYS", GatewaySettings.api_keys, API_KEY_MODES))
     parser.add_argument(
         "--http-server",
-        choices=("uvicorn", "granian"),
-        default=env_default("HTTP_SERVER", GatewaySettings.http_server),
+        choices=HTTP_SERVERS,
+        default=env_choice("HTTP_SERVER", GatewaySettings.http_server, HTTP_SERVERS),
     )
     parser.add_argument(
         "--gateways",
@@ -368,9 +371,7 @@ def _up(args: argparse.Namespace) -> int:
         "--gateways",
         str(args.gateways),
     ]
-    gateway += {"required": ["--require-api-keys"], "off": ["--no-auth"]}.get(
-        _api_keys_mode(args), []
-    )
+    gateway += {"required": ["--require-api-keys"], "off": ["--no-auth"]}.get(args.api_keys, [])
     admin_token = _admin_token(args)
     if admin_token:  # to the gateway child through its environment, not argv
         os.environ["SHOAL_ADMIN_TOKEN"] = admin_token
@@ -418,7 +419,7 @@ def _gateway(args: argparse.Namespace) -> int:
         http_server=args.http_server,
         processes=args.gateways,
         admin_token=admin_token,
-        api_keys=_api_keys_mode(args),
+        api_keys=args.api_keys,
         queue=QueueSettings.from_environment(),
         http_timeouts=HttpTimeouts.from_environment(),
     )
@@ -442,14 +443,6 @@ def _admin_token(args: argparse.Namespace) -> str:
     if not token:
         raise SystemExit(f"shoal: the admin token file {path} is empty")
     return token
-
-
-def _api_keys_mode(args: argparse.Namespace) -> str:
-    if args.api_keys not in API_KEY_MODES:
-        raise SystemExit(
-            f"SHOAL_API_KEYS={args.api_keys!r} is not one of {', '.join(API_KEY_MODES)}"
-        )
-    return args.api_keys
 
 
 def _worker(args: argparse.Namespace) -> int:

@@ -22,6 +22,18 @@ def env_default(name: str, fallback: T) -> T:
         raise SystemExit(f"SHOAL_{name}={raw!r} is not a valid {type(fallback).__name__}") from err
 
 
+def env_choice(name: str, fallback: str, choices: tuple[str, ...]) -> str:
+    """The value of `SHOAL_<name>`, which must be one of `choices`, else the fallback.
+
+    For a flag with choices: argparse checks a value given on the command line, not a default,
+    so an unchecked `SHOAL_BATCH_WAIT=eager` reached `shoal up`'s workers as `--batch-wait
+    eager`, and each exited at its start, again and again."""
+    value = env_default(name, fallback)
+    if value not in choices:
+        raise SystemExit(f"SHOAL_{name}={value!r} is not one of: {', '.join(choices)}")
+    return value
+
+
 DEFAULT_INBOX_PREFIX = "_INBOX"
 
 
@@ -192,6 +204,9 @@ class HttpTimeouts:
 
 
 API_KEY_MODES = ("auto", "required", "off")
+HTTP_SERVERS = ("uvicorn", "granian")
+# How a worker forms batches: wait a little for a fuller one when that pays, or never.
+BATCH_WAITS = ("adaptive", "off")
 
 # One gateway process serves about a core's worth of requests: `shoal up` gives the gateway
 # one process per this many cores.

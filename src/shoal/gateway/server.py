@@ -19,7 +19,6 @@ from shoal.gateway.app import Gateway
 from shoal.observability.metrics import MULTIPROCESS_DIR_ENV
 from shoal.process import tune_garbage_collector
 
-HTTP_SERVERS = ("uvicorn", "granian")
 _SETTINGS_ENV = "SHOAL_GATEWAY_SETTINGS_JSON"
 
 
