@@ -61,8 +61,8 @@ def _pythonpath() -> str:
 
 
 def test_a_push_cluster_whose_port_was_taken_starts_again_on_new_ports():
-    """free_port() probes a port and the child binds it later: another socket can take it
-    in between. The cluster notices its child's exit and starts again on fresh ports."""
+    """free_ports() probes the ports and the children bind them later: another socket can
+    take one in between. The cluster notices its child's exit and starts again on new ports."""
     import socket
     import urllib.request
 

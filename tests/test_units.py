@@ -12,6 +12,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from shoal import process
 from shoal.api.errors import ApiError
 from shoal.catalog import resolve_model
 from shoal.gateway.committer import GroupCommitter
@@ -350,9 +351,19 @@ def test_a_port_for_a_child_is_free_and_outside_the_ephemeral_range():
     """Outgoing connections take their local ports from the ephemeral range: a port handed
     to a child from below it cannot be taken by one before the child binds."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    ports = [free_port(), *free_ports(40)]
+    ports = [free_port() for _ in range(20)]
     assert all(FIRST_CHILD_PORT <= port < low for port in ports), ports
-    assert len(set(ports[1:])) == 40  # chosen together: all different
     for port in ports:  # each is free, as promised
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))
+
+
+def test_ports_chosen_together_are_all_different(monkeypatch):
+    """Each probe is held until all are chosen: even a picker that draws the same port
+    every time hands it out once (picked one at a time, all three would be that port)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        same = sock.getsockname()[1]  # a port known to be free once this closes
+    monkeypatch.setattr(process.random, "randrange", lambda start, stop: same)
+    ports = free_ports(3)
+    assert ports[0] == same and len(set(ports)) == 3, ports

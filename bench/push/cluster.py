@@ -54,8 +54,14 @@ class PushCluster:
 
     def _choose_ports(self) -> None:
         self.port, *self.worker_ports = free_ports(1 + self.workers)
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.metrics_urls = [f"http://127.0.0.1:{p}/metrics" for p in self.worker_ports]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def metrics_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{p}/metrics" for p in self.worker_ports]
 
     def __enter__(self) -> PushCluster:
         for _ in range(START_ATTEMPTS - 1):
