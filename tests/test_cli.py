@@ -198,6 +198,32 @@ def test_an_environment_setting_outside_its_choices_stops_shoal_up_at_once(
     done = shoal(
         "up", "--model", "sim-embed", env={"SHOAL_STATE_DIR": str(tmp_path), variable: value}
     )
-    assert done.returncode == 1
+    assert done.returncode == 2  # argparse's, as for a refused flag
     assert f"{variable}={value!r} is not one of: {choices}" in done.stderr
     assert not (tmp_path / "cluster.json").exists()  # nothing was started
+
+
+@pytest.mark.parametrize(
+    ("variable", "child"),
+    [("SHOAL_BATCH_LATENCY_TARGET", "worker 1"), ("SHOAL_HEADER_TIMEOUT", "gateway")],
+)
+def test_a_child_that_refuses_its_settings_stops_shoal_up_instead_of_restarting(
+    tmp_path: Path, variable: str, child: str
+):
+    """Settings only a worker (or only the gateway) reads: `shoal up` starts the child, which
+    refuses the setting. Before, the supervisor restarted it with backoff for as long as
+    `shoal up` ran, and never served."""
+    done = shoal(
+        "up",
+        "--model",
+        "sim-embed",
+        "--port",
+        str(free_port()),
+        env={"SHOAL_STATE_DIR": str(tmp_path), variable: "soon"},
+    )
+    assert done.returncode == 1
+    assert f"{variable}='soon' is not a valid float" in done.stderr
+    assert f"{child} (pid" not in done.stdout  # no "... exited ...; restarting in ..."
+    assert f"shoal up: {child} exited with code 2: it refused" in done.stderr
+    assert "restarted" not in done.stdout
+    assert not (tmp_path / "cluster.json").exists()

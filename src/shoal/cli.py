@@ -39,6 +39,7 @@ from shoal.config import (
     env_choice,
     env_default,
     local_gateway_processes,
+    refuse_setting,
 )
 from shoal.process import free_port
 from shoal.protocol import ModelSpec, Task, is_valid_model_name
@@ -457,7 +458,7 @@ def _worker(args: argparse.Namespace) -> int:
     try:
         start_heap_trimmer(env_default("MALLOC_TRIM_S", DEFAULT_TRIM_INTERVAL_S))
     except ValueError as err:
-        raise SystemExit(f"shoal worker: {err}") from None
+        refuse_setting(f"shoal worker: {err}")
     given = bool(args.model or args.model_json)
     if not given and not args.fleet:
         args.model = DEFAULT_MODEL

@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 from shoal.protocol import ModelSpec
 
 T = TypeVar("T", int, float, str)
+
+# argparse's exit status for a command line it refuses; a refused `SHOAL_*` setting exits with
+# it too. `shoal up` stops when a child exits with it: started again the same way, the child
+# would be refused again (before, a worker refused its SHOAL_THREADS forever, restarted with
+# backoff).
+USAGE_EXIT_CODE = 2
+
+
+def refuse_setting(message: str) -> NoReturn:
+    """Stop the command: a setting is wrong, and starting it again will not mend it."""
+    print(message, file=sys.stderr, flush=True)
+    raise SystemExit(USAGE_EXIT_CODE)
 
 
 def env_default(name: str, fallback: T) -> T:
@@ -18,8 +31,8 @@ def env_default(name: str, fallback: T) -> T:
         return fallback
     try:
         return type(fallback)(raw)
-    except ValueError as err:
-        raise SystemExit(f"SHOAL_{name}={raw!r} is not a valid {type(fallback).__name__}") from err
+    except ValueError:
+        refuse_setting(f"SHOAL_{name}={raw!r} is not a valid {type(fallback).__name__}")
 
 
 def env_choice(name: str, fallback: str, choices: tuple[str, ...]) -> str:
@@ -30,7 +43,7 @@ def env_choice(name: str, fallback: str, choices: tuple[str, ...]) -> str:
     eager`, and each exited at its start, again and again."""
     value = env_default(name, fallback)
     if value not in choices:
-        raise SystemExit(f"SHOAL_{name}={value!r} is not one of: {', '.join(choices)}")
+        refuse_setting(f"SHOAL_{name}={value!r} is not one of: {', '.join(choices)}")
     return value
 
 

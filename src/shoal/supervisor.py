@@ -5,7 +5,8 @@ every worker has loaded its model, prints where the cluster is, and from then on
 while it starts) restarts any child that dies, with exponential backoff, while the others keep
 serving: nats-server on the same port and store (every client's reconnect finds it, and the
 queued work is still there), the gateway on the same port, a worker as a new process. Only a
-failed initial deploy or a gateway port held by another process ends `shoal up`. On SIGINT or
+failed initial deploy, a gateway port held by another process, or a child that refuses its
+command line or settings (`USAGE_EXIT_CODE`) ends `shoal up`. On SIGINT or
 SIGTERM it stops every child it started: workers first (they drain), then the gateway, then
 nats-server; no child is restarted once the stop has begun.
 
@@ -52,7 +53,7 @@ from shoal.cluster_file import (
     state_dir,
     write_cluster_info,
 )
-from shoal.config import NatsAuth, QueueSettings
+from shoal.config import USAGE_EXIT_CODE, NatsAuth, QueueSettings
 from shoal.process import child_preexec
 from shoal.protocol import ModelSpec, encode_json
 from shoal.state.attempts import ensure_attempts_kv
@@ -308,6 +309,12 @@ class Supervisor:
         delay = child.backoff.after_exit(uptime)
         child.restart_at = now + delay
         reason = describe_exit(code)
+        if code == USAGE_EXIT_CODE and isinstance(child, ProcessChild):
+            self._fatal = (
+                f"{child.name} {reason}: it refused its command line or a SHOAL_* setting "
+                "(its message is above), and would refuse it again if restarted"
+            )
+            return
         if child is self._gateway:
             if _port_in_use(self.options.host, self.options.port):
                 self._gateway_bind_failures += 1
