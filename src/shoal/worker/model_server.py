@@ -360,10 +360,9 @@ class ModelServer:
             self._scheduler.suspects_arriving(+1)
             self._background(self._accept_suspect(message, envelope, adapter))
             return
+        accept = self._scheduler.accept
         for request in envelope.requests:
-            item = WorkItem.from_request(message, envelope, request)
-            item.adapter = adapter
-            self._scheduler.accept(item)
+            accept(WorkItem.from_request(message, envelope, request, adapter))
 
     async def _accept_stored(
         self, message: WorkMessage, envelope: WorkEnvelope, adapter: str | None
@@ -410,8 +409,7 @@ class ModelServer:
         try:
             culprit = await self._recorder.culprit_of(message)
             for request in envelope.requests:
-                item = WorkItem.from_request(message, envelope, request)
-                item.adapter = adapter
+                item = WorkItem.from_request(message, envelope, request, adapter)
                 item.culprit = request.request_id == culprit
                 self._recorder.expect(item)
                 self._scheduler.accept(item)

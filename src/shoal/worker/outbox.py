@@ -118,17 +118,22 @@ class Outbox:
 
     async def ack(self, item: WorkItem) -> None:
         """Done with the item; its message is acked once all of its requests are done."""
-        if item.body_key:  # answered: its stored body is no longer needed
-            task = asyncio.create_task(self._delete_body(item.body_key))
-            self._deleting.add(task)
-            task.add_done_callback(self._deleting.discard)
-        message = item.message
-        if message is None or not message.answered_one():
-            return
-        try:
-            await message.msg.ack()
-        except Exception as err:  # already acked, or the connection is gone: redelivered later
-            log.debug("ack of %s failed: %s", item.request_id, err)
+        await self.ack_all((item,))
+
+    async def ack_all(self, items: Iterable[WorkItem]) -> None:
+        """`ack` for each item, in one coroutine: a batch's items share a few messages."""
+        for item in items:
+            if item.body_key:  # answered: its stored body is no longer needed
+                task = asyncio.create_task(self._delete_body(item.body_key))
+                self._deleting.add(task)
+                task.add_done_callback(self._deleting.discard)
+            message = item.message
+            if message is None or not message.answered_one():
+                continue
+            try:
+                await message.msg.ack()
+            except Exception as err:  # already acked, or the connection is gone: redelivered
+                log.debug("ack of %s failed: %s", item.request_id, err)
 
 
 def reply_messages(results: list[Result], max_payload: int, sender: str) -> Iterator[bytes]:

@@ -174,6 +174,13 @@ class SchedulerBase:
         await self._ctx.outbox.ack(item)
         self._ctx.counters.finished(item)
 
+    async def _ack_all(self, items: list[WorkItem]) -> None:
+        """`_ack` for a batch's items, in one coroutine (not two an item)."""
+        await self._ctx.outbox.ack_all(items)
+        finished = self._ctx.counters.finished
+        for item in items:
+            finished(item)
+
     def _remember_cancel(self, request_id: str) -> None:
         """A cancel for a request not running here: pending, not yet pulled, or held by
         another worker (every worker of the model hears it). Remembered, so that whichever
@@ -199,21 +206,27 @@ class SchedulerBase:
 
     async def _reject_if_unservable(self, item: WorkItem) -> bool:
         """Answer and ack an item that cannot run here (expired, wrong endpoint): True if so."""
-        error = None
-        if item.endpoint is None or not item.endpoint.served_by(self._task):
-            endpoint = item.endpoint.value if item.endpoint else "unknown"
-            error = ApiError(
-                400, f"This model serves {self._task.value}, not {endpoint}", param="model"
-            )
-        elif item.expired(now_ms()):
-            error = ApiError(504, "The request's deadline passed before it was run", code="timeout")
+        error = self._unservable(item, now_ms())
         if error is None:
             return False
         await self._answer(item, Reply.from_error(error))
         return True
 
-    def _observe_queue_wait(self, item: WorkItem) -> None:
-        self._ctx.metrics.queue_wait.observe(max(0, now_ms() - item.sent_ms) / 1000)
+    def _unservable(self, item: WorkItem, now: int) -> ApiError | None:
+        """Why the item cannot run here at `now` (epoch ms): a wrong endpoint, or expired."""
+        if item.endpoint is None or not item.endpoint.served_by(self._task):
+            endpoint = item.endpoint.value if item.endpoint else "unknown"
+            return ApiError(
+                400, f"This model serves {self._task.value}, not {endpoint}", param="model"
+            )
+        if item.expired(now):
+            return ApiError(504, "The request's deadline passed before it was run", code="timeout")
+        return None
+
+    def _observe_queue_wait(self, item: WorkItem, now: int | None = None) -> None:
+        """Publish to start, for an item that starts at `now` (epoch ms; the clock if None)."""
+        waited_ms = (now_ms() if now is None else now) - item.sent_ms
+        self._ctx.metrics.queue_wait.observe(max(0, waited_ms) / 1000)
 
     def _account_batch(self, busy_s: float, size: int) -> None:
         """One batch (or decode step) of `size` items took `busy_s` of runtime."""

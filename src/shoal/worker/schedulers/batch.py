@@ -18,9 +18,9 @@ import contextlib
 import logging
 import time
 
-from shoal.protocol import ModelSpec, Task
+from shoal.protocol import ModelSpec, Task, now_ms
 from shoal.worker.batch_wait import CostCurve, CostFit, LoadMeter, plan_wait
-from shoal.worker.items import WorkItem, take_batch
+from shoal.worker.items import Reply, WorkItem, take_batch
 from shoal.worker.schedulers.base import SchedulerBase, SchedulerContext
 from shoal.worker.tasks.cross_encode import RerankHandler
 from shoal.worker.tasks.embed import EmbeddingsHandler
@@ -154,16 +154,18 @@ class BatchScheduler(SchedulerBase):
 
     async def _run_batch(self, batch: list[WorkItem], fit: CostFit | None) -> None:
         ctx = self._ctx
+        now = now_ms()  # one clock read a batch, for every item's deadline and queue wait
         live = []
         for item in batch:
             if self._take_cancel(item):
                 await self._drop_cancelled(item)
-            elif not await self._reject_if_unservable(item):
+            elif (error := self._unservable(item, now)) is not None:
+                await self._answer(item, Reply.from_error(error))
+            else:
+                self._observe_queue_wait(item, now)
                 live.append(item)
         if not live:
             return
-        for item in live:
-            self._observe_queue_wait(item)
         self._running = live
         self._running_until = time.monotonic() + (fit.seconds(len(live)) if fit else 0.0)
         ctx.busy.start()
@@ -186,7 +188,6 @@ class BatchScheduler(SchedulerBase):
         # Every result first, then every ack: a worker that dies between the two leaves its
         # items to be redelivered, and the gateway drops the duplicate results.
         await ctx.outbox.replies(zip(live, outcome.replies, strict=True))
-        for item in live:
-            await self._ack(item)
+        await self._ack_all(live)
         self._running = []
         ctx.room_changed.set()  # a fill loop waiting for the batch's end pulls now
