@@ -2,7 +2,8 @@
 
 nats.py's `fetch(n)` waits out its whole timeout for the n-th message once the queue is empty,
 which adds up to a second of latency at low load. Here messages are handed on as they arrive,
-one pull request is outstanding at a time, and the caller decides how many to ask for.
+one pull request is outstanding at a time, and the caller decides how many to ask for, and
+may end the open request early (`end_request`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class Puller:
         self._sub: Subscription | None = None
         self._remaining = 0
         self._request_done = asyncio.Event()
+        self._request_done.set()  # none outstanding yet
+        self._ending = False
 
     async def start(self) -> None:
         self._sub = await self._nc.subscribe(
@@ -58,8 +61,45 @@ class Puller:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._request_done.wait(), expires_s + 1.0)
 
+    def request_open(self) -> bool:
+        """Whether a pull request is outstanding (messages may still come for it)."""
+        return not self._request_done.is_set() and not self._ending
+
+    async def end_request(self) -> None:
+        """End the outstanding pull request now, before its count or expiry ends it.
+
+        JetStream has no cancel for a pull request, but deals a message only to a request
+        whose reply subject someone subscribes to (nats-server `nextWaiting`): so the next
+        requests go to a new inbox, and the old one is drained (its unsubscribe, then a round
+        trip, the messages the server sent before it handed on as usual: none is left
+        unanswered until `ack_wait`). Behind a NATS supercluster's gateways the server may
+        still deal to a request made in the last seconds; such a message is redelivered
+        after `ack_wait`, late but not lost.
+        """
+        if self._sub is None or not self.request_open():
+            return
+        self._ending = True
+        try:
+            ended = self._sub
+            self._inbox = self._nc.new_inbox()
+            self._sub = await self._nc.subscribe(
+                self._inbox, cb=self._on_inbox, pending_msgs_limit=-1, pending_bytes_limit=-1
+            )
+            self._request_done.set()  # the caller's `pull` returns and may pull again
+        finally:
+            self._ending = False
+        try:
+            await ended.drain()
+        except Exception:  # closed or reconnecting: the server has forgotten it anyway
+            with contextlib.suppress(Exception):
+                await ended.unsubscribe()
+
     async def _on_inbox(self, msg: Msg) -> None:
         status = msg.headers.get(_STATUS) if msg.headers else None
+        if msg.subject != self._inbox:  # an ended request's: its messages are still work
+            if status is None:
+                self._on_message(msg)
+            return
         if status is None:
             self._on_message(msg)
             self._remaining -= 1

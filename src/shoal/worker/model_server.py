@@ -174,6 +174,7 @@ class ModelServer:
             self._busy,
             profiled_latency_s=self.budget.latency_s,
         )
+        self._ctx.end_open_pulls = self._end_open_pulls
         if not settings.max_batch_items and spec.task is not Task.GENERATE and not engine:
             self._ctx.audit = ProfileAudit(self.budget.latency_s)
             self._ctx.on_profile_contradicted = self._reprofile_soon
@@ -415,6 +416,15 @@ class ModelServer:
                 self._scheduler.accept(item)
         finally:
             self._scheduler.suspects_arriving(-1)
+
+    def _end_open_pulls(self) -> None:
+        """End the pull requests open for this model and its adapters (a long batch began)."""
+        pullers = [feed.puller for feed in self.adapters.values()]
+        if self._puller is not None:
+            pullers.append(self._puller)
+        for puller in pullers:
+            if puller.request_open():
+                self._background(puller.end_request())
 
     def _background(self, work) -> None:
         task = asyncio.ensure_future(work)

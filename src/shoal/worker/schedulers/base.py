@@ -65,6 +65,11 @@ class SchedulerContext:
     # what to call, once, when service contradicts it (the model server profiles again).
     audit: ProfileAudit | None = None
     on_profile_contradicted: Callable[[], None] | None = None
+    # Called when a batch starts that runs past the next pull's lead (`pull_after_s` > 0):
+    # the model server ends the pull requests it holds open. Items dealt to them during the
+    # batch would wait it out here while another worker could run them (at 24 simulated
+    # workers, 90% load, the requests held in a worker longest waited about one batch).
+    end_open_pulls: Callable[[], None] | None = None
 
 
 class Scheduler(Protocol):

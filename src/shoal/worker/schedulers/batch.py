@@ -8,7 +8,9 @@ never waits for the network. On a slow device it pulls late in the batch, not at
 worker that frees up first takes them, until `PULL_LEAD_S` before the batch is expected to
 end. Pulled at the batch's start, they waited out the rest of it behind this worker while
 another could have run them (simulated 100 ms device at 90% load, 16 and 32 workers: median
-latency 240 / 255 ms pulling at once, 174 / 185 ms pulling late; docs/benchmarks.md).
+latency 240 / 255 ms pulling at once, 174 / 185 ms pulling late; docs/benchmarks.md). For
+the same reason such a batch ends the pull request still open when it starts
+(`SchedulerContext.end_open_pulls`).
 """
 
 from __future__ import annotations
@@ -168,6 +170,8 @@ class BatchScheduler(SchedulerBase):
             return
         self._running = live
         self._running_until = time.monotonic() + (fit.seconds(len(live)) if fit else 0.0)
+        if ctx.end_open_pulls is not None and self.pull_after_s() > 0:
+            ctx.end_open_pulls()
         ctx.busy.start()
         try:
             outcome = await asyncio.get_running_loop().run_in_executor(
