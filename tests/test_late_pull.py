@@ -114,7 +114,9 @@ async def _an_ended_pull_request(url: str) -> tuple[list[bytes], list[bytes], in
         await asyncio.sleep(0.3)
         after_end = [msg.data for msg in pulled[2:]]
         backlog = await read_backlog(js, model) or 0
-        await puller.pull(10, 0.3)  # a new request: ends by its expiry after the three
+        began = time.monotonic()
+        await puller.pull(3, 5.0)  # a new request: it ends when the three have come
+        assert time.monotonic() - began < 2.0, "a pull after an end waited out its expiry"
         later = [msg.data for msg in pulled[2:]]
         for msg in pulled:
             await msg.ack()

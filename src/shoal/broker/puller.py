@@ -30,7 +30,7 @@ class Puller:
         self._nc = nc
         self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
         self._on_message = on_message
-        self._inbox = nc.new_inbox()
+        self._inbox = ""  # where the next pull request's messages come (`start`)
         self._sub: Subscription | None = None
         self._remaining = 0
         self._request_done = asyncio.Event()
@@ -38,9 +38,24 @@ class Puller:
         self._ending = False
 
     async def start(self) -> None:
+        await self._open_inbox()
+
+    async def _open_inbox(self) -> Subscription | None:
+        """Pull requests go to a new inbox from now on; returns the last one's subscription.
+
+        Each inbox has its own callback: a delivered message's subject is the stream's, not
+        the inbox, so the callback is what says which request a message came for."""
+        inbox = self._nc.new_inbox()
+
+        async def on_inbox(msg: Msg) -> None:
+            self._on_inbox(msg, inbox)
+
+        last = self._sub
+        self._inbox = inbox
         self._sub = await self._nc.subscribe(
-            self._inbox, cb=self._on_inbox, pending_msgs_limit=-1, pending_bytes_limit=-1
+            inbox, cb=on_inbox, pending_msgs_limit=-1, pending_bytes_limit=-1
         )
+        return last
 
     async def stop(self) -> None:
         if self._sub is not None:
@@ -80,23 +95,21 @@ class Puller:
             return
         self._ending = True
         try:
-            ended = self._sub
-            self._inbox = self._nc.new_inbox()
-            self._sub = await self._nc.subscribe(
-                self._inbox, cb=self._on_inbox, pending_msgs_limit=-1, pending_bytes_limit=-1
-            )
+            ended = await self._open_inbox()
             self._request_done.set()  # the caller's `pull` returns and may pull again
         finally:
             self._ending = False
+        if ended is None:
+            return
         try:
             await ended.drain()
         except Exception:  # closed or reconnecting: the server has forgotten it anyway
             with contextlib.suppress(Exception):
                 await ended.unsubscribe()
 
-    async def _on_inbox(self, msg: Msg) -> None:
+    def _on_inbox(self, msg: Msg, inbox: str) -> None:
         status = msg.headers.get(_STATUS) if msg.headers else None
-        if msg.subject != self._inbox:  # an ended request's: its messages are still work
+        if inbox != self._inbox:  # an ended request's: its messages are still work
             if status is None:
                 self._on_message(msg)
             return
