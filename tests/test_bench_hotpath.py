@@ -44,8 +44,8 @@ def test_hotpath_benchmark_smoke(tmp_path: Path):
     device = run["device"]
     assert 0 < device["busy_mean"] <= 1.0
     assert 1 <= device["mean_batch"] <= 16  # within the budget the worker was given
-    # Envelopes of at most an eighth of the budget: 1 or 2 requests a message.
-    assert 1 <= run["requests_per_message"] <= 2
+    # Short batches: the worker asks for envelopes of half its budget, 1 to 8 requests.
+    assert 1 <= run["requests_per_message"] <= 8
     assert result["profiles"] is None  # not asked for
 
 

@@ -134,3 +134,24 @@ def test_an_ended_pull_request_takes_no_more_and_the_next_takes_the_rest(nats_se
     assert after_end == []  # nothing dealt to the ended request
     assert backlog == 3  # still in the queue, for whichever worker pulls first
     assert later == [b"m2", b"m3", b"m4"]
+
+
+def test_a_worker_with_long_batches_asks_for_small_envelopes(nats_server):
+    """Long batches: an eighth of the budget (what overflows a batch's room waits a whole
+    batch); short ones: half (sharing the publish matters more)."""
+
+    async def asked(batch_s: float) -> int:
+        nc = await connect(nats_server.url, name="envelope-ask")
+        settings = WorkerSettings(nats_url=nats_server.url, max_batch_items=32)
+        profile = {n: batch_s for n in (1, 8, 32)}
+        ctx = scheduler_context(nc, settings, "sim-ask", profiled_latency_s=profile)
+        runtime = SimEmbeddingRuntime("sim-ask", {"batch_ms": batch_s * 1000, "token_us": 0})
+        handler = EmbeddingsHandler(runtime, "sim-ask", {})
+        try:
+            return BatchScheduler(ctx, handler, Task.EMBEDDINGS).envelope_requests()
+        finally:
+            ctx.executor.shutdown()
+            await nc.close()
+
+    assert asyncio.run(asked(0.1)) == 4
+    assert asyncio.run(asked(0.005)) == 16

@@ -10,14 +10,9 @@ so its task wakes once a request instead of twice.
 Generation requests travel alone: a generative worker pulls exactly as many as it has free
 decode slots.
 
-An envelope holds at most an eighth of the batch budget of the smallest worker serving its
-model (`envelope_cap`). A worker takes whole envelopes, and it pulls one more even when its
-batch has room for only part of it: the requests past the budget then wait a whole batch in
-that worker while others could run them. Measured at 24 simulated workers, budget 32, 3,900
-requests/s: envelopes of up to 16 left 2.3% of requests over (p99 340 ms), of up to 8 0.9%
-(309 ms), of up to 4 0.07% (258 ms); envelopes of 64 had put p99 at 1.61x the best push
-router's at 32 workers (docs/benchmarks.md). A worker with a large budget keeps envelopes of
-up to 64 (the hot path's budget of 256: 32), where sharing the publish matters most.
+An envelope holds at most as many requests as the workers serving its model ask for in their
+reports (the smallest of them; `WorkerStatus.envelope_requests`, chosen by each worker from its
+budget and how long its batches run, worker/schedulers/batch.py), and at most 64.
 """
 
 from __future__ import annotations
@@ -37,25 +32,23 @@ from shoal.protocol import (
 )
 
 MAX_REQUESTS_PER_ENVELOPE = 64
-# An envelope holds at most 1/ENVELOPES_PER_BATCH of the smallest worker's batch budget.
-ENVELOPES_PER_BATCH = 8
 # Well under NATS's default 1 MB max_payload, with room for the envelope's framing; a larger
 # body does not travel in an envelope at all (broker/bodies.py).
 MAX_ENVELOPE_BYTES = INLINE_BODY_BYTES
 
 # (subject, payload, envelope id) -> stored; raises to refuse every request in the envelope
 Publish = Callable[[str, bytes, str], Awaitable[None]]
-# model -> the smallest batch budget among the workers serving it (None: none reported yet)
-SmallestBudget = Callable[[str], int | None]
+# model -> the most requests an envelope for it should hold, as its workers ask (None: none has)
+WorkersEnvelope = Callable[[str], int | None]
 
 
 class GroupCommitter:
     """One per gateway process; publishes envelopes on `reply_to`'s behalf."""
 
-    def __init__(self, reply_to: str, publish: Publish, smallest_budget: SmallestBudget) -> None:
+    def __init__(self, reply_to: str, publish: Publish, workers_envelope: WorkersEnvelope) -> None:
         self._reply_to = reply_to
         self._publish = publish
-        self._smallest_budget = smallest_budget
+        self._workers_envelope = workers_envelope
         self._pending: dict[str, list[_Entry]] = {}  # by model
         self._flushing: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -89,7 +82,7 @@ class GroupCommitter:
         subject = work_subject(model)
         try:
             while pending := self._pending.get(model):
-                taken = _take(pending, envelope_cap(self._smallest_budget(model)))
+                taken = _take(pending, envelope_cap(self._workers_envelope(model)))
                 del pending[: len(taken)]
                 try:
                     await self._send(subject, [entry.request for entry in taken])
@@ -111,12 +104,12 @@ class GroupCommitter:
         await self._publish(subject, encode_msgpack(envelope), self._envelope_ids.new())
 
 
-def envelope_cap(smallest_budget: int | None) -> int:
-    """The most requests in one envelope for a model whose smallest worker batch budget (in
-    items) is `smallest_budget` (None or 0: no worker has reported one yet)."""
-    if not smallest_budget:
+def envelope_cap(workers_envelope: int | None) -> int:
+    """The most requests in one envelope for a model whose workers ask for at most
+    `workers_envelope` (None or 0: none has said yet)."""
+    if not workers_envelope:
         return MAX_REQUESTS_PER_ENVELOPE
-    return max(1, min(MAX_REQUESTS_PER_ENVELOPE, smallest_budget // ENVELOPES_PER_BATCH))
+    return max(1, min(MAX_REQUESTS_PER_ENVELOPE, workers_envelope))
 
 
 class _Entry(NamedTuple):

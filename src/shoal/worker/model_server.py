@@ -538,6 +538,8 @@ class ModelServer:
         status.busy_fraction = round(busy, 4)
         status.memory_mb = round(self.memory_mb, 1)
         status.max_batch_items = self.budget.max_batch_items
+        if self._scheduler is not None:
+            status.envelope_requests = self._scheduler.envelope_requests()
         status.quality = self.quality
         status.last_used_ms = now_ms() - int(1000 * (time.monotonic() - self.last_used))
         if self._ctx is not None:

@@ -92,6 +92,10 @@ class Scheduler(Protocol):
         now); `room_changed` cuts the wait short."""
         ...
 
+    def envelope_requests(self) -> int:
+        """The most requests it asks gateways to put in one envelope (0: it does not ask)."""
+        ...
+
     def cancel(self, request_id: str) -> None:
         """The client went away: stop work on that request if held, or skip it later."""
         ...
@@ -138,6 +142,9 @@ class SchedulerBase:
 
     def pull_after_s(self) -> float:
         return 0.0
+
+    def envelope_requests(self) -> int:
+        return 0  # generation: every request travels alone anyway
 
     def stop_accepting(self) -> None:
         self._accepting = False
