@@ -120,7 +120,7 @@ class Gateway:
         self.directory = ModelDirectory()
         self.readiness = Readiness(self.directory)
         self.committer = GroupCommitter(
-            self.replies.subject, self._publish, self.readiness.envelope_requests
+            self.replies.subject, self._publish, self.readiness.smallest_budget
         )
         self.cancels = CancelSender(self._publish_cancels)
         # Done the moment the connection to NATS drops (a new one after each reconnect):

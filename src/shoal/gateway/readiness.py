@@ -52,9 +52,9 @@ class Readiness:
     def __init__(self, directory: ModelDirectory) -> None:
         self._directory = directory
         self._seen: dict[str, _Seen] = {}  # by KV key: <worker id>.<model token>
-        # By model: the smallest envelope a live worker asked for (the committer's envelope
-        # size follows it); kept up to date as reports arrive, so a lookup is cheap.
-        self._envelope_requests: dict[str, int] = {}
+        # By model: the smallest batch budget a live worker reported for it (the committer's
+        # envelope size follows it); kept up to date as reports arrive, so a lookup is cheap.
+        self._smallest_budget: dict[str, int] = {}
         self._task: asyncio.Task[None] | None = None
         self._watcher = None
         self._replaying = True
@@ -93,10 +93,9 @@ class Readiness:
             counts[status.model] = counts.get(status.model, 0) + int(ready)
         return counts
 
-    def envelope_requests(self, model: str) -> int | None:
-        """The most requests in one envelope that every worker reporting `model` lately takes
-        (the smallest any asked for); None when none has said."""
-        return self._envelope_requests.get(model)
+    def smallest_budget(self, model: str) -> int | None:
+        """The smallest batch budget (items) among the workers reporting `model` lately."""
+        return self._smallest_budget.get(model)
 
     def missing(self) -> list[str]:
         """The pinned models without a READY worker, sorted."""
@@ -109,7 +108,7 @@ class Readiness:
         if is_removal(entry):
             removed = self._seen.pop(entry.key, None)
             if removed is not None:
-                self._update_envelope(removed.status.model)
+                self._update_budget(removed.status.model)
             return
         try:
             status = decode_worker_status(entry.value)
@@ -124,19 +123,19 @@ class Readiness:
             # clock difference with the server matters only until the next report.
             at = now - max(0.0, time.time() - entry.created.timestamp())
         self._seen[entry.key] = _Seen(status, at)
-        self._update_envelope(status.model)
+        self._update_budget(status.model)
 
-    def _update_envelope(self, model: str) -> None:
+    def _update_budget(self, model: str) -> None:
         now = time.monotonic()
-        asked = [
-            seen.status.envelope_requests
+        budgets = [
+            seen.status.max_batch_items
             for seen in self._seen.values()
             if seen.status.model == model
-            and seen.status.envelope_requests > 0
+            and seen.status.max_batch_items > 0
             and seen.status.state != WorkerState.FAILED
             and now - seen.at <= STALE_S
         ]
-        if asked:
-            self._envelope_requests[model] = min(asked)
+        if budgets:
+            self._smallest_budget[model] = min(budgets)
         else:
-            self._envelope_requests.pop(model, None)
+            self._smallest_budget.pop(model, None)

@@ -44,7 +44,6 @@ class WorkerStatus(msgspec.Struct, kw_only=True):
     redelivered: int = 0  # items this worker got after another delivery was not acked
     batches: int = 0  # embedding batches, or decode steps
     max_batch_items: int = 0  # the batch budget in items it runs with (profiled or given)
-    envelope_requests: int = 0  # the most requests it asks gateways to put in one envelope
     largest_batch: int = 0  # the most items (or sequences) seen in one batch (or step)
     slots: int = 0  # generative workers: sequences decoded together at most
     running_sequences: int = 0

@@ -174,7 +174,6 @@ class ModelServer:
             self._busy,
             profiled_latency_s=self.budget.latency_s,
         )
-        self._ctx.end_open_pulls = self._end_open_pulls
         if not settings.max_batch_items and spec.task is not Task.GENERATE and not engine:
             self._ctx.audit = ProfileAudit(self.budget.latency_s)
             self._ctx.on_profile_contradicted = self._reprofile_soon
@@ -417,15 +416,6 @@ class ModelServer:
         finally:
             self._scheduler.suspects_arriving(-1)
 
-    def _end_open_pulls(self) -> None:
-        """End the pull requests open for this model and its adapters (a long batch began)."""
-        pullers = [feed.puller for feed in self.adapters.values()]
-        if self._puller is not None:
-            pullers.append(self._puller)
-        for puller in pullers:
-            if puller.request_open():
-                self._background(puller.end_request())
-
     def _background(self, work) -> None:
         task = asyncio.ensure_future(work)
         self._background_tasks.add(task)
@@ -538,8 +528,6 @@ class ModelServer:
         status.busy_fraction = round(busy, 4)
         status.memory_mb = round(self.memory_mb, 1)
         status.max_batch_items = self.budget.max_batch_items
-        if self._scheduler is not None:
-            status.envelope_requests = self._scheduler.envelope_requests()
         status.quality = self.quality
         status.last_used_ms = now_ms() - int(1000 * (time.monotonic() - self.last_used))
         if self._ctx is not None:

@@ -65,11 +65,6 @@ class SchedulerContext:
     # what to call, once, when service contradicts it (the model server profiles again).
     audit: ProfileAudit | None = None
     on_profile_contradicted: Callable[[], None] | None = None
-    # Called when a batch starts that runs past the next pull's lead (`pull_after_s` > 0):
-    # the model server ends the pull requests it holds open. Items dealt to them during the
-    # batch would wait it out here while another worker could run them (at 24 simulated
-    # workers, 90% load, the requests held in a worker longest waited about one batch).
-    end_open_pulls: Callable[[], None] | None = None
 
 
 class Scheduler(Protocol):
@@ -90,10 +85,6 @@ class Scheduler(Protocol):
     def pull_after_s(self) -> float:
         """Seconds to leave the queue's items to other workers before pulling again (0: pull
         now); `room_changed` cuts the wait short."""
-        ...
-
-    def envelope_requests(self) -> int:
-        """The most requests it asks gateways to put in one envelope (0: it does not ask)."""
         ...
 
     def cancel(self, request_id: str) -> None:
@@ -142,9 +133,6 @@ class SchedulerBase:
 
     def pull_after_s(self) -> float:
         return 0.0
-
-    def envelope_requests(self) -> int:
-        return 0  # generation: every request travels alone anyway
 
     def stop_accepting(self) -> None:
         self._accepting = False

@@ -8,9 +8,7 @@ never waits for the network. On a slow device it pulls late in the batch, not at
 worker that frees up first takes them, until `PULL_LEAD_S` before the batch is expected to
 end. Pulled at the batch's start, they waited out the rest of it behind this worker while
 another could have run them (simulated 100 ms device at 90% load, 16 and 32 workers: median
-latency 240 / 255 ms pulling at once, 174 / 185 ms pulling late; docs/benchmarks.md). For
-the same reason such a batch ends the pull request still open when it starts
-(`SchedulerContext.end_open_pulls`).
+latency 240 / 255 ms pulling at once, 174 / 185 ms pulling late; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -34,18 +32,6 @@ log = logging.getLogger(__name__)
 # pull takes on a LAN (~1 ms), so the device does not wait for the network even when the
 # curve overestimates the batch by a few ms. A batch shorter than this is pulled for at once.
 PULL_LEAD_S = 0.010
-# A batch this long or longer is long enough that an envelope's requests past the batch's room,
-# which wait out the next batch here, show in the tail latency: such a worker asks for
-# envelopes of an eighth of its budget, others for half. It takes whole envelopes and pulls one
-# more even when its room is smaller than the largest lately (`messages_for_room`). At 24
-# simulated workers (100 ms a batch, budget 32) and 3,900 requests/s, envelopes of up to 16 left
-# 2.3% of the requests past a batch's room (p99 340 ms), of up to 8 0.9% (309 ms), of up to 4
-# 0.07% (258 ms). Short batches keep large envelopes, which share the publish and the fetch:
-# on the hot path (~5 ms batches of ~117) envelopes of up to 32 instead of 64 cost ~10% more
-# CPU a request (docs/benchmarks.md).
-LONG_BATCH_S = 0.025
-ENVELOPES_PER_LONG_BATCH = 8
-ENVELOPES_PER_SHORT_BATCH = 2
 # How long a known culprit waits for suspect messages still being looked up (an attempt
 # record read, bounded by poison.KV_TIMEOUT_S): past it, it runs.
 CULPRIT_WAIT_S = 3.0
@@ -69,7 +55,6 @@ class BatchScheduler(SchedulerBase):
         self._curve_profile = ctx.profiled_latency_s
         self._load = LoadMeter()
         self._running_until = 0.0  # the running batch's expected end (monotonic)
-        self._last_batch_s = 0.0  # how long the last batch ran
 
     def room(self) -> int:
         return self._ctx.settings.max_batch_items - len(self._pending)
@@ -81,15 +66,6 @@ class BatchScheduler(SchedulerBase):
         if not self._running:
             return 0.0
         return max(0.0, self._running_until - PULL_LEAD_S - time.monotonic())
-
-    def envelope_requests(self) -> int:
-        budget = self._ctx.settings.max_batch_items
-        fit = self._curve.fit()
-        # A full batch takes at least as long as the last one; the fit says more once batches
-        # of several sizes have run (all of one size, it has none).
-        full_batch_s = max(fit.seconds(budget) if fit else 0.0, self._last_batch_s)
-        long = full_batch_s >= LONG_BATCH_S
-        return max(1, budget // (ENVELOPES_PER_LONG_BATCH if long else ENVELOPES_PER_SHORT_BATCH))
 
     def cancel(self, request_id: str) -> None:
         # A running batch is short and runs to its end; a cancelled item not yet run is
@@ -192,8 +168,6 @@ class BatchScheduler(SchedulerBase):
             return
         self._running = live
         self._running_until = time.monotonic() + (fit.seconds(len(live)) if fit else 0.0)
-        if ctx.end_open_pulls is not None and self.pull_after_s() > 0:
-            ctx.end_open_pulls()
         ctx.busy.start()
         try:
             outcome = await asyncio.get_running_loop().run_in_executor(
@@ -206,7 +180,6 @@ class BatchScheduler(SchedulerBase):
         finally:
             busy_s = ctx.busy.stop()
         self._account_batch(busy_s, len(live))
-        self._last_batch_s = busy_s
         self._curve.observe(len(live), busy_s)
         self._load.observe(len(live), time.monotonic())
         contradicted = ctx.audit is not None and ctx.audit.observe(len(live), busy_s)
