@@ -6,9 +6,9 @@ while it starts) restarts any child that dies, with exponential backoff, while t
 serving: nats-server on the same port and store (every client's reconnect finds it, and the
 queued work is still there), the gateway on the same port, a worker as a new process. Only a
 failed initial deploy, a gateway port held by another process, or a child that refuses its
-command line or settings (`USAGE_EXIT_CODE`) ends `shoal up`. On SIGINT or
-SIGTERM it stops every child it started: workers first (they drain), then the gateway, then
-nats-server; no child is restarted once the stop has begun.
+command line or settings (`USAGE_EXIT_CODE`) ends `shoal up`. On SIGINT or SIGTERM it stops
+every child it started: workers first (they drain), then the gateway, then nats-server; no
+child is restarted once the stop has begun.
 
 The embedded nats-server runs with fresh credentials (`cluster_auth.py`): the supervisor
 connects as `admin`, the gateway as `gateway` (`admin` when its admin API is on), each worker

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -171,11 +171,10 @@ class SchedulerBase:
         await self._ack(item)
 
     async def _ack(self, item: WorkItem) -> None:
-        await self._ctx.outbox.ack(item)
-        self._ctx.counters.finished(item)
+        await self._ack_all((item,))
 
-    async def _ack_all(self, items: list[WorkItem]) -> None:
-        """`_ack` for a batch's items, in one coroutine (not two an item)."""
+    async def _ack_all(self, items: Sequence[WorkItem]) -> None:
+        """Ack and count items done: a batch's in one coroutine (not two an item)."""
         await self._ctx.outbox.ack_all(items)
         finished = self._ctx.counters.finished
         for item in items:
