@@ -25,9 +25,12 @@ import contextlib
 import json
 import math
 import random
+import threading
 import time
 from collections import Counter, deque
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from typing import Generic, TypeVar
 from urllib.parse import urlsplit
 
 from bench.http1 import Http1Connection, build_request
@@ -57,6 +60,8 @@ _WORDS = [
 ]
 POOL_SIZE = 4096  # distinct prebuilt requests, cycled
 
+Reading = TypeVar("Reading")
+
 
 @dataclass
 class LoadSpec:
@@ -73,6 +78,9 @@ class LoadSpec:
     path: str = "/v1/embeddings"
     drain_s: float = 30.0  # how long to wait for answers after the last arrival
     seed: int = 1
+    # Called (cheap, on the load's event loop) when the measured window starts: the
+    # connections are open and the first request goes out.
+    on_window_start: Callable[[], None] | None = None
 
 
 @dataclass
@@ -244,6 +252,8 @@ class _Run:
             self.idle.extend(conns)
         started = time.perf_counter()
         self.window_end = started + spec.seconds
+        if spec.on_window_start is not None:
+            spec.on_window_start()
         if spec.mode == "closed":
             await asyncio.gather(*(self._add_connection() for _ in range(first)))
             await asyncio.sleep(spec.seconds)
@@ -319,6 +329,46 @@ def run_load(spec: LoadSpec) -> LoadResult:
         extra={"ok_in_window": float(run.ok_in_window)},
         samples=run.samples,
     )
+
+
+@dataclass
+class WindowReadings(Generic[Reading]):
+    """What a reader returned at the start of a load's measured window and `seconds` later."""
+
+    before: Reading
+    after: Reading
+    seconds: float
+
+
+def run_load_in_window(
+    spec: LoadSpec, read: Callable[[], Reading]
+) -> tuple[LoadResult, WindowReadings[Reading]]:
+    """`run_load`, with `read()` called from a thread when the measured window starts and
+    again when it ends, so that what is read (CPU, the workers' counters) covers the window
+    alone: not the connections' opening, nor the wait for the last answers after it. (The
+    whole call once served as the window: one late answer, a redelivery after the 10 s
+    ack_wait, stretched 5 s calls to 15 s and read busy at a third of the truth.) The
+    window's own last answers come after it, so work over answers reads a few per cent low.
+    """
+    started = threading.Event()
+    readings: list[tuple[float, Reading]] = []
+
+    def read_at_both_ends() -> None:
+        if not started.wait(timeout=600):
+            return
+        began = time.monotonic()
+        readings.append((began, read()))
+        time.sleep(max(0.0, spec.seconds - (time.monotonic() - began)))
+        readings.append((time.monotonic(), read()))
+
+    reader = threading.Thread(target=read_at_both_ends, daemon=True)
+    reader.start()
+    result = run_load(replace(spec, on_window_start=started.set))
+    reader.join()
+    if len(readings) < 2:
+        raise RuntimeError("the load's window never started: nothing was read")
+    (began, before), (ended, after) = readings
+    return result, WindowReadings(before, after, ended - began)
 
 
 def quantile(ordered: list[float], q: float) -> float:

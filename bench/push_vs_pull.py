@@ -37,7 +37,7 @@ from typing import Any
 
 from bench.fleet_metrics import scrape, window
 from bench.harness import RESULTS_DIR, UpCluster, cpu_share, machine_facts
-from bench.loadgen import LoadSpec, run_load
+from bench.loadgen import LoadSpec, run_load, run_load_in_window
 from bench.push.cluster import PushCluster
 from bench.push.router import POLICIES
 from shoal.catalog import resolve_model
@@ -128,15 +128,17 @@ def _retry(read, attempts: int = 20):
 
 
 def measure(system: System, spec: LoadSpec) -> dict[str, Any]:
-    """Offer one load to a started system; what the client and the workers saw."""
-    before = scrape(system.metrics_urls) if system.metrics_urls else []
-    cpu_before, started = system.cpu(), time.monotonic()
-    load = run_load(spec)
-    elapsed = time.monotonic() - started
-    cores = cpu_share(cpu_before, system.cpu(), elapsed)
-    after = scrape(system.metrics_urls) if system.metrics_urls else []
-    # Busy over the load window; the drain after it is short next to the window.
-    figures = asdict(window(before, after, elapsed)) if before else None
+    """Offer one load to a started system; what the client and the workers saw, the workers'
+    busy share and batches and each component's cores over the load's window alone."""
+
+    def read() -> tuple[dict[str, float], list]:
+        counters = scrape(system.metrics_urls) if system.metrics_urls else []
+        return system.cpu(), counters
+
+    load, readings = run_load_in_window(spec, read)
+    (cpu_before, before), (cpu_after, after) = readings.before, readings.after
+    cores = cpu_share(cpu_before, cpu_after, readings.seconds)
+    figures = asdict(window(before, after, readings.seconds)) if before else None
     return {"load": load.summary(), "workers": figures, "cores": cores}
 
 

@@ -62,7 +62,7 @@ from pathlib import Path
 
 from bench.fleet_metrics import WindowFigures, scrape, window
 from bench.harness import UpCluster, component_tree, machine_facts, write_result
-from bench.loadgen import LoadResult, LoadSpec, run_load
+from bench.loadgen import LoadResult, LoadSpec, run_load, run_load_in_window
 from bench.nats_diag import NatsDiagnostics
 from shoal.config import QueueSettings
 
@@ -176,10 +176,9 @@ def closed_loop_median(
 
 
 def measured_window(urls: list[str], spec: LoadSpec) -> tuple[LoadResult, WindowFigures]:
-    """One load run and what the workers did during it."""
-    before, started = scrape(urls), time.monotonic()
-    result = run_load(spec)
-    return result, window(before, scrape(urls), time.monotonic() - started)
+    """One load run and what the workers did during its window."""
+    result, readings = run_load_in_window(spec, lambda: scrape(urls))
+    return result, window(readings.before, readings.after, readings.seconds)
 
 
 def open_loop_capacity(
