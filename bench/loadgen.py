@@ -78,8 +78,8 @@ class LoadSpec:
     path: str = "/v1/embeddings"
     drain_s: float = 30.0  # how long to wait for answers after the last arrival
     seed: int = 1
-    # Called (cheap, on the load's event loop) when the measured window starts: the
-    # connections are open and the first request goes out.
+    # Called (cheap, on the load's event loop) when the measured window starts: in the open
+    # loop once its first connections are open; the closed loop opens its own in the window.
     on_window_start: Callable[[], None] | None = None
 
 
@@ -345,7 +345,7 @@ def run_load_in_window(
 ) -> tuple[LoadResult, WindowReadings[Reading]]:
     """`run_load`, with `read()` called from a thread when the measured window starts and
     again when it ends, so that what is read (CPU, the workers' counters) covers the window
-    alone: not the connections' opening, nor the wait for the last answers after it. (The
+    alone: not the open loop's opening of connections, nor the wait for the last answers. (The
     whole call once served as the window: one late answer, a redelivery after the 10 s
     ack_wait, stretched 5 s calls to 15 s and read busy at a third of the truth.) The
     window's own last answers come after it, so work over answers reads a few per cent low.
