@@ -352,19 +352,25 @@ def run_load_in_window(
     """
     started = threading.Event()
     readings: list[tuple[float, Reading]] = []
+    failures: list[Exception] = []  # a reading that failed is raised here, not lost in the thread
 
     def read_at_both_ends() -> None:
         if not started.wait(timeout=600):
             return
-        began = time.monotonic()
-        readings.append((began, read()))
-        time.sleep(max(0.0, spec.seconds - (time.monotonic() - began)))
-        readings.append((time.monotonic(), read()))
+        try:
+            began = time.monotonic()
+            readings.append((began, read()))
+            time.sleep(max(0.0, spec.seconds - (time.monotonic() - began)))
+            readings.append((time.monotonic(), read()))
+        except Exception as error:
+            failures.append(error)
 
     reader = threading.Thread(target=read_at_both_ends, daemon=True)
     reader.start()
     result = run_load(replace(spec, on_window_start=started.set))
     reader.join()
+    if failures:
+        raise failures[0]
     if len(readings) < 2:
         raise RuntimeError("the load's window never started: nothing was read")
     (began, before), (ended, after) = readings

@@ -7,6 +7,8 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import pytest
+
 from bench.loadgen import LoadSpec, run_load_in_window
 
 LATE_S = 2.0
@@ -16,7 +18,7 @@ class _OneLateAnswer(BaseHTTPRequestHandler):
     """Answers every POST at once except the fifth, which it answers LATE_S later."""
 
     protocol_version = "HTTP/1.1"
-    counter = itertools.count(1)
+    counter: itertools.count
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers["Content-Length"]))
@@ -33,9 +35,16 @@ class _OneLateAnswer(BaseHTTPRequestHandler):
         pass
 
 
-def test_a_late_answer_does_not_stretch_the_measured_window():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _OneLateAnswer)
+def _serve() -> ThreadingHTTPServer:
+    """A started server of its own, its count of requests from 1."""
+    handler = type("Handler", (_OneLateAnswer,), {"counter": itertools.count(1)})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_a_late_answer_does_not_stretch_the_measured_window():
+    server = _serve()
     try:
         spec = LoadSpec(
             f"http://127.0.0.1:{server.server_address[1]}",
@@ -56,3 +65,19 @@ def test_a_late_answer_does_not_stretch_the_measured_window():
     # ...but the readings cover the window alone.
     assert 0.95 <= readings.seconds <= 1.3
     assert 0.95 <= readings.after - readings.before <= 1.3
+
+
+def test_a_reading_that_fails_is_raised_to_the_caller():
+    server = _serve()
+
+    def unreachable_metrics() -> float:
+        raise ConnectionRefusedError("metrics gone")
+
+    try:
+        spec = LoadSpec(
+            f"http://127.0.0.1:{server.server_address[1]}", "any", mode="open", rate=5, seconds=0.3
+        )
+        with pytest.raises(ConnectionRefusedError, match="metrics gone"):
+            run_load_in_window(spec, unreachable_metrics)
+    finally:
+        server.shutdown()
