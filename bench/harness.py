@@ -137,14 +137,20 @@ class UpCluster:
 
     def batch_totals(self) -> tuple[float, float]:
         """(items, batches) run so far by all workers, from their /metrics."""
+        items, batches = self.metric_totals(
+            "shoal_worker_batch_items_sum", "shoal_worker_batch_items_count"
+        )
+        return items, batches
+
+    def metric_totals(self, *names: str) -> list[float]:
+        """Each named metric so far, summed over every worker's /metrics."""
         import httpx
 
-        items = batches = 0.0
+        totals = [0.0] * len(names)
         for url in self.metrics_urls():
             text = httpx.get(url, timeout=5).text
-            items += _metric(text, "shoal_worker_batch_items_sum")
-            batches += _metric(text, "shoal_worker_batch_items_count")
-        return items, batches
+            totals = [t + _metric(text, name) for t, name in zip(totals, names, strict=True)]
+        return totals
 
     def component_cpu_seconds(self) -> dict[str, float]:
         """CPU time so far of each part of the cluster: nats, gateway, workers, supervisor."""
