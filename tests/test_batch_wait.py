@@ -130,6 +130,25 @@ def test_batches_all_of_one_size_do_not_bend_the_profiled_curve():
     assert alone.fit() is None
 
 
+def test_a_curve_that_bends_up_still_predicts_the_batches_that_run():
+    # all-MiniLM-L6-v2 on a 2-core CPU, as profiled (docs/benchmarks.md): bigger batches cost
+    # more an item, so the least-squares line meets zero items below zero. A closed loop of
+    # 64 clients then runs batches of ~32 at ~125 ms. The late pull asks for the next batch
+    # from the prediction: it must not lie far above them (the clamped line said 164 ms).
+    profile = {
+        1: 0.02352, 2: 0.02803, 4: 0.03506, 8: 0.04848, 16: 0.07381,
+        32: 0.14392, 64: 0.26729, 128: 0.61081, 256: 1.31245,
+    }  # fmt: skip
+    curve = CostCurve(profile)
+    for i in range(WINDOW):
+        curve.observe(31 + i % 2, 0.125)
+    fit = curve.fit()
+    assert fit is not None
+    assert fit.fixed_s == 0.0  # no batch costs less than nothing, so no wait pays
+    assert fit.seconds(32) == pytest.approx(0.125, rel=0.1)
+    assert plan_wait(fit, held=16, budget=64, latency_target_s=0.5).max_wait_s == 0.0
+
+
 def test_a_new_profile_replaces_the_old_one_in_the_curve():
     slow = CostFit(fixed_s=0.100, per_item_s=0.004)
     fast = CostFit(fixed_s=0.010, per_item_s=0.001)
