@@ -42,6 +42,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.fleet_metrics import scrape, window
 from bench.harness import (
     UpCluster,
     cpu_share,
@@ -354,16 +355,6 @@ def stop_worker(up: UpCluster, worker: subprocess.Popen[str]) -> None:
         time.sleep(0.2)
 
 
-# Read from the worker's /metrics around each window: items and batches (the mean batch), the
-# runtime's busy seconds, and the seconds it waited for fuller batches (the adaptive wait).
-SWEEP_METRICS = (
-    "shoal_worker_batch_items_sum",
-    "shoal_worker_batch_items_count",
-    "shoal_worker_busy_seconds_total",
-    "shoal_worker_batch_wait_seconds_sum",
-)
-
-
 def budget_sweep(budgets: list[int], rounds: int, seconds: float, connections: int) -> dict:
     """Each budget and the profiled one, on one cluster, one fresh worker at a time."""
     configs: list[str] = ["tuned", *(str(b) for b in budgets)]
@@ -387,14 +378,15 @@ def budget_sweep(budgets: list[int], rounds: int, seconds: float, connections: i
                 try:
                     run_wrk(up.url, EMBED_MODEL, connections, 3)  # warm up
                     wait_quiet(up)
+                    # The worker's /metrics around the window: its mean batch, the runtime's
+                    # busy share and the seconds it waited for fuller batches.
+                    urls = up.metrics_urls()
                     before, started = cpu_seconds(up, worker), time.monotonic()
-                    items_before, batches_before, busy_before, waited_before = up.metric_totals(
-                        *SWEEP_METRICS
-                    )
+                    counters_before = scrape(urls)
                     load = run_wrk(up.url, EMBED_MODEL, connections, seconds)
                     elapsed = time.monotonic() - started
                     cores = cpu_share(before, cpu_seconds(up, worker), elapsed)
-                    items, batches, busy_s, waited_s = up.metric_totals(*SWEEP_METRICS)
+                    figures = window(counters_before, scrape(urls), elapsed)
                     budget = next(
                         s.max_batch_items for s in up.worker_statuses() if s.pid == worker.pid
                     )
@@ -404,25 +396,24 @@ def budget_sweep(budgets: list[int], rounds: int, seconds: float, connections: i
                 # stored profile says (`ProfileAudit`): that run's device time went to profiling.
                 profiles_after = asyncio.run(read_profiles_of(up.nats_url, up.nats_auth))
                 reprofiled = profiles_after != profiles_before
-                mean_batch = (items - items_before) / max(1.0, batches - batches_before)
                 measurements[config].append(
                     {
                         "round": round_no + 1,
                         "load": load,
                         "worker_budget": budget,
                         "cores_used": cores,
-                        "mean_batch": round(mean_batch, 1),
-                        "busy": round((busy_s - busy_before) / elapsed, 3),
-                        "batch_wait_s": round(waited_s - waited_before, 3),
+                        "mean_batch": round(figures.mean_batch, 1),
+                        "busy": round(figures.busy_mean, 3),
+                        "batch_wait_s": round(figures.batch_wait_s, 3),
                         "reprofiled": reprofiled,
                     }
                 )
                 print(
                     f"round {round_no + 1} budget {config:>5} ({budget}): {load.rps:6.1f} "
-                    f"req/s, mean batch {mean_batch:5.1f}, p50 {load.p50_ms:.0f} ms, p99 "
+                    f"req/s, mean batch {figures.mean_batch:5.1f}, p50 {load.p50_ms:.0f} ms, p99 "
                     f"{load.p99_ms:.0f} ms, errors {load.errors}, worker cores "
-                    f"{cores.get('worker', 0):.2f}, busy {(busy_s - busy_before) / elapsed:.2f}, "
-                    f"waited {waited_s - waited_before:.2f} s, wrk cpu {load.client_cpu_s:.1f} s"
+                    f"{cores.get('worker', 0):.2f}, busy {figures.busy_mean:.2f}, "
+                    f"waited {figures.batch_wait_s:.2f} s, wrk cpu {load.client_cpu_s:.1f} s"
                     + (", profiled again" if reprofiled else ""),
                     flush=True,
                 )

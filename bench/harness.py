@@ -135,23 +135,6 @@ class UpCluster:
             raise RuntimeError(f"no worker reported within {timeout:g} s")
         return urls
 
-    def batch_totals(self) -> tuple[float, float]:
-        """(items, batches) run so far by all workers, from their /metrics."""
-        items, batches = self.metric_totals(
-            "shoal_worker_batch_items_sum", "shoal_worker_batch_items_count"
-        )
-        return items, batches
-
-    def metric_totals(self, *names: str) -> list[float]:
-        """Each named metric so far, summed over every worker's /metrics."""
-        import httpx
-
-        totals = [0.0] * len(names)
-        for url in self.metrics_urls():
-            text = httpx.get(url, timeout=5).text
-            totals = [t + _metric(text, name) for t, name in zip(totals, names, strict=True)]
-        return totals
-
     def component_cpu_seconds(self) -> dict[str, float]:
         """CPU time so far of each part of the cluster: nats, gateway, workers, supervisor."""
         assert self.process is not None
@@ -245,11 +228,6 @@ def _wrk_latency(output: str) -> tuple[str, str, str]:
     """wrk's "Latency avg stdev max" line."""
     match = re.search(r"Latency\s+([\d.]+\w+)\s+([\d.]+\w+)\s+([\d.]+\w+)", output)
     return match.groups() if match else ("0ms", "0ms", "0ms")
-
-
-def _metric(text: str, name: str) -> float:
-    match = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
 
 
 def _wrk_errors(output: str) -> int:

@@ -20,6 +20,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from bench.fleet_metrics import scrape, window
 from bench.harness import UpCluster, hot_load_adapter, machine_facts, run_wrk, write_result
 
 BASE = "all-MiniLM-L6-v2"
@@ -68,15 +69,16 @@ def main() -> None:
         for _ in range(args.rounds):
             row = {}
             for label, also in (("base", ()), ("mixed", ADAPTERS)):
-                items_before, batches_before = up.batch_totals()
+                urls = up.metrics_urls()
+                before = scrape(urls)
                 result = run_wrk(up.url, BASE, args.connections, args.seconds, also=also)
-                items, batches = up.batch_totals()
+                figures = window(before, scrape(urls), args.seconds)
                 row[label] = {
                     "rps": result.rps,
                     "errors": result.errors,
                     "p50_ms": result.p50_ms,
                     "p99_ms": result.p99_ms,
-                    "mean_batch": (items - items_before) / max(1.0, batches - batches_before),
+                    "mean_batch": figures.mean_batch,
                     "client_cpu_s": result.client_cpu_s,
                 }
             rounds.append(row)

@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.fleet_metrics import scrape, window
 from bench.harness import (
     SENTENCE,
     UpCluster,
@@ -154,28 +155,6 @@ def served_vectors(up: UpCluster, deployment: str, timeout_s: float = 600) -> np
         time.sleep(1)
 
 
-def model_batch_totals(up: UpCluster, model: str) -> tuple[float, float]:
-    """(items, batches) one deployment's workers ran so far, from their /metrics.
-
-    `UpCluster.batch_totals` reads the first series of the histogram, which is one model's
-    when a worker holds several: here every deployment shares the one worker.
-    """
-    import httpx
-
-    items = batches = 0.0
-    for url in up.metrics_urls():
-        for line in httpx.get(url, timeout=5).text.splitlines():
-            name, _, rest = line.partition("{")
-            labels, _, value = rest.rpartition("} ")
-            if f'model="{model}"' not in labels.split(","):
-                continue
-            if name == "shoal_worker_batch_items_sum":
-                items += float(value)
-            elif name == "shoal_worker_batch_items_count":
-                batches += float(value)
-    return items, batches
-
-
 def machine_cpu_seconds() -> tuple[float, float]:
     """(busy, stolen) CPU seconds of the whole machine so far, all cores (/proc/stat)."""
     fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
@@ -192,7 +171,9 @@ def measure_cluster(
     (this machine is shared: what the lock does not keep out shows here)."""
     before, started = up.component_cpu_seconds(), time.monotonic()
     machine_before = machine_cpu_seconds()
-    items_before, batches_before = model_batch_totals(up, model)
+    urls = up.metrics_urls()
+    # Only this deployment's series: every deployment of the run shares the one worker.
+    counters_before = scrape(urls, model)
     load = run_load(
         up.url, model, shape.connections, args.cluster_seconds, args.client, shape.encoding
     )
@@ -200,8 +181,7 @@ def measure_cluster(
     cores = cpu_share(before, up.component_cpu_seconds(), elapsed)
     machine_after = machine_cpu_seconds()
     busy, stolen = ((machine_after[i] - machine_before[i]) / elapsed for i in (0, 1))
-    items, batches = model_batch_totals(up, model)
-    mean_batch = (items - items_before) / max(1.0, batches - batches_before)
+    mean_batch = window(counters_before, scrape(urls, model), elapsed).mean_batch
     return {
         "load": load,
         "cores_used": cores,
