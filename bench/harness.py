@@ -312,8 +312,12 @@ def hot_load_adapter(
 
     began = time.perf_counter()
     command = [sys.executable, "-m", "shoal", "deploy", name, "--base", base]
+    # The cluster's environment: its state directory holds the credentials its NATS asks for.
     subprocess.run(
-        [*command, "--lora", str(adapter), "--nats", up.nats_url], check=True, capture_output=True
+        [*command, "--lora", str(adapter), "--nats", up.nats_url],
+        env=up.env,
+        check=True,
+        capture_output=True,
     )
     returned = time.perf_counter() - began
     while True:
