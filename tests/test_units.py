@@ -29,7 +29,6 @@ from shoal.protocol import (
 from shoal.runtimes.base import EmbedOutput
 from shoal.runtimes.sim import SimEmbeddingRuntime, pseudo_embedding, pseudo_token_embedding
 from shoal.worker.items import WorkItem, take_batch
-from shoal.worker.model_server import messages_for_room
 from shoal.worker.tasks.embed import EmbeddingsHandler
 
 
@@ -299,15 +298,6 @@ def test_unique_ids_differ_within_and_across_sources():
     assert len(set(ids)) == len(ids)
     assert all(len(id_) == 32 and int(id_, 16) >= 0 for id_ in ids)  # 32 hex, as a uuid4's
     assert ids[0][:16] != ids[1000][:16]  # each source its own random prefix
-
-
-def test_a_pull_fits_the_room_even_if_every_message_is_as_large_as_the_largest_lately():
-    # Envelopes of 1-2 requests with one of 16 among them: 32 free slots take 2 messages (at
-    # most 32 requests), not 32 / the mean (~21 messages, up to ~60 requests).
-    assert messages_for_room(32, [1, 2, 1, 16, 2]) == 2
-    assert messages_for_room(10, [1, 16]) == 1  # at least one
-    assert messages_for_room(32, [1] * 32) == 32
-    assert messages_for_room(32, []) == 32
 
 
 def test_a_request_that_waits_only_for_its_reply_hears_a_refusal_and_nothing_else():

@@ -113,7 +113,7 @@ def envelope_cap(smallest_budget: int | None) -> int:
     items) is `smallest_budget` (None or 0: no worker has reported one yet)."""
     if not smallest_budget:
         return MAX_REQUESTS_PER_ENVELOPE
-    return max(1, min(MAX_REQUESTS_PER_ENVELOPE, smallest_budget // 2))
+    return max(1, min(MAX_REQUESTS_PER_ENVELOPE, smallest_budget // 4))
 
 
 class _Entry(NamedTuple):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from shoal.api.errors import ApiError
 from shoal.protocol import Endpoint, WorkEnvelope, WorkRequest
@@ -91,33 +91,38 @@ def _endpoint(value: str) -> Endpoint | None:
     return _ENDPOINTS.get(value or Endpoint.EMBEDDINGS.value)
 
 
-def deliveries_of(reply_subject: str | None) -> int:
-    """How often JetStream has delivered a message, read from its ack subject.
+class AckFields(NamedTuple):
+    """What JetStream tells about a pulled message in its ack subject."""
+
+    deliveries: int  # how often it has been delivered (1: the first time)
+    stream_seq: int  # its sequence in the stream (0: unknown)
+    consumer_seq: int  # the consumer's delivery sequence, across all its workers (0: unknown)
+    pending: int  # messages the consumer still had queued behind it (0: unknown)
+
+
+UNKNOWN_ACK = AckFields(1, 0, 0, 0)
+
+
+def ack_fields(reply_subject: str | None) -> AckFields:
+    """A pulled message's fields, read from its ack subject.
 
     `$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>`, or with domain
     and account hash before the stream (12 tokens or more). Parsing it here costs a split;
     nats.py's `Msg.metadata` built objects for every field.
     """
     if not reply_subject:
-        return 1
+        return UNKNOWN_ACK
     tokens = reply_subject.split(".")
-    index = 4 if len(tokens) == 9 else 6
+    first = 4 if len(tokens) == 9 else 6
     try:
-        return int(tokens[index])
+        return AckFields(
+            int(tokens[first]),
+            int(tokens[first + 1]),
+            int(tokens[first + 2]),
+            int(tokens[first + 4]),
+        )
     except (IndexError, ValueError):
-        return 1
-
-
-def stream_seq_of(reply_subject: str | None) -> int:
-    """A message's sequence in its stream, read from its ack subject (0 if unknown)."""
-    if not reply_subject:
-        return 0
-    tokens = reply_subject.split(".")
-    index = 5 if len(tokens) == 9 else 7
-    try:
-        return int(tokens[index])
-    except (IndexError, ValueError):
-        return 0
+        return UNKNOWN_ACK
 
 
 @dataclass(slots=True)

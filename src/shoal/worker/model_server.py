@@ -13,8 +13,6 @@ import contextlib
 import logging
 import os
 import time
-from collections import deque
-from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -49,20 +47,17 @@ from shoal.worker.items import (
     Reply,
     WorkItem,
     WorkMessage,
-    deliveries_of,
-    stream_seq_of,
+    ack_fields,
 )
 from shoal.worker.outbox import Outbox
 from shoal.worker.poison import AttemptRecorder, DeadLetterer
 from shoal.worker.profiling import BatchBudget, ProfileAudit, reprofile, tuned_budget
+from shoal.worker.pull_sizing import RecentMessages
 from shoal.worker.schedulers.base import Scheduler, SchedulerContext
 from shoal.worker.schedulers.batch import BatchScheduler, batch_handler
 from shoal.worker.schedulers.continuous import ContinuousScheduler
 
 log = logging.getLogger(__name__)
-
-# How many pulled messages' sizes (requests per envelope) the pull size is judged on.
-MESSAGE_SIZES_KEPT = 32
 
 
 class ModelLoadError(RuntimeError):
@@ -116,8 +111,9 @@ class ModelServer:
         self._stopping = asyncio.Event()
         self.adapters: dict[str, _AdapterFeed] = {}
         self.quality: dict[str, float] = {}
-        # Requests in each of the last pulled messages (envelopes: group commit at the gateway).
-        self._message_sizes: deque[int] = deque([1], maxlen=MESSAGE_SIZES_KEPT)
+        # The last pulled messages' sizes (envelopes: group commit at the gateway) and queue
+        # positions, to size pulls to the room (worker/pull_sizing.py).
+        self._recent_messages = RecentMessages()
         self._background_tasks: set[asyncio.Task] = set()
         # Poison messages (worker/poison.py): attempt records and dead letters.
         self._recorder: AttemptRecorder | None = None
@@ -341,11 +337,10 @@ class ModelServer:
         if not envelope.requests:
             self._background(msg.ack())
             return
-        message = WorkMessage(
-            msg, len(envelope.requests), deliveries_of(msg.reply), stream_seq_of(msg.reply)
-        )
+        ack = ack_fields(msg.reply)
         size = len(envelope.requests)
-        self._message_sizes.append(size)
+        message = WorkMessage(msg, size, ack.deliveries, ack.stream_seq)
+        self._recent_messages.observe(size, ack.pending, ack.consumer_seq, self.last_used)
         if any(request.body_key for request in envelope.requests):
             self._background(self._accept_stored(message, envelope, adapter))
             return
@@ -429,6 +424,7 @@ class ModelServer:
     async def _fill(self, puller: Puller, stopped: asyncio.Event) -> None:
         assert self._scheduler is not None and self._ctx is not None
         room_changed = self._ctx.room_changed
+        recent = self._recent_messages
         while not stopped.is_set():
             room = self._scheduler.room()
             # No room, or a long batch running: the queue's items are left to other workers
@@ -439,9 +435,10 @@ class ModelServer:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(room_changed.wait(), wait_s)
                 continue
-            messages = messages_for_room(room, self._message_sizes)
+            window = self._scheduler.pull_window(self.settings.poll_s)
+            messages = recent.messages_for_room(room, window.messages, window.batch_s)
             try:
-                await puller.pull(messages, self.settings.poll_s)
+                await puller.pull(messages, window.expires_s)
             except Exception as err:  # a reconnect in progress: try again shortly
                 log.warning("pull failed: %s", err)
                 await asyncio.sleep(0.2)
@@ -564,21 +561,6 @@ def new_status(
         pinned=pinned,
         updated_ms=now_ms(),
     )
-
-
-def messages_for_room(room: int, message_sizes: Iterable[int]) -> int:
-    """How many messages to pull for `room` requests, when the last messages pulled held
-    `message_sizes` requests each (envelopes: group commit at the gateway).
-
-    As many as fit even if each is as large as the largest lately; what is left is pulled
-    next. Sized on the average, a pull overshot the room about half the time, and the
-    requests past the budget waited a whole batch here while another worker could have run
-    them: p99 at 90% load on the simulated 100 ms device with 16 workers 349-354 ms on the
-    average, 322-335 on the largest (at 32 workers the runs spread more than it moved;
-    docs/benchmarks.md, "Pulls that fit the room"). At least one: a room smaller than one
-    message still pulls one.
-    """
-    return max(1, room // max(message_sizes, default=1))
 
 
 def _with_budget(settings: WorkerSettings, budget: BatchBudget) -> WorkerSettings:

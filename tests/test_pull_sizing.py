@@ -1,0 +1,52 @@
+"""Pulls sized to the room (worker/pull_sizing.py), and what a pulled message's ack subject
+tells (worker/items.py, `ack_fields`)."""
+
+from __future__ import annotations
+
+from shoal.worker.items import AckFields, ack_fields
+from shoal.worker.pull_sizing import RecentMessages
+
+
+def _recent(*requests: int) -> RecentMessages:
+    recent = RecentMessages()
+    for count in requests:
+        recent.observe(count)
+    return recent
+
+
+def test_a_pull_fits_the_room_even_if_every_message_is_as_large_as_the_largest_lately():
+    # Envelopes of 1-2 requests with one of 16 among them: 32 free slots take 2 messages (at
+    # most 32 requests), not 32 / the mean (~21 messages, up to ~60 requests).
+    assert _recent(1, 2, 1, 16, 2).messages_for_room(32) == 2
+    assert _recent(1, 16).messages_for_room(10) == 1  # at least one
+    assert _recent(*[1] * 32).messages_for_room(32) == 32
+    assert RecentMessages().messages_for_room(32) == 32  # nothing seen: one request each
+
+
+def test_the_queue_ahead_is_its_length_over_the_consumers_delivery_rate():
+    recent = RecentMessages()
+    recent.observe(4, queued_after=50, consumer_seq=100, at=10.0)
+    assert recent.queue_ahead_s() == 0.0  # one delivery: no rate yet
+    # 200 deliveries (to every worker of the consumer) in 0.5 s: 400 a second.
+    recent.observe(4, queued_after=80, consumer_seq=300, at=10.5)
+    assert recent.queue_ahead_s() == 80 / 400
+
+
+def test_an_idle_pull_takes_one_message_only_while_the_queue_ahead_is_short():
+    recent = RecentMessages()
+    recent.observe(2, queued_after=0, consumer_seq=100, at=10.0)
+    recent.observe(2, queued_after=10, consumer_seq=300, at=10.5)  # 10 / 400 a s: 25 ms
+    assert recent.messages_for_room(32) == 16  # no bound asked for
+    assert recent.messages_for_room(32, at_most=1, unless_queued_s=0.1) == 1
+    # A queue of 25 ms against batches of 20 ms: a batch started on one message would run
+    # short while the rest waited in the queue anyway, so the pull takes the room.
+    assert recent.messages_for_room(32, at_most=1, unless_queued_s=0.02) == 16
+
+
+def test_the_queue_left_behind_a_message_is_read_from_its_ack_subject():
+    v1 = "$JS.ACK.SHOAL_WORK.work-m.3.77.70.1733000000000000000.12"
+    assert ack_fields(v1) == AckFields(deliveries=3, stream_seq=77, consumer_seq=70, pending=12)
+    v2 = "$JS.ACK.domain.account.SHOAL_WORK.work-m.1.77.70.1733000000000000000.5.token"
+    assert ack_fields(v2) == AckFields(1, 77, 70, 5)
+    # Unknown: a first delivery, nothing else known.
+    assert ack_fields(None) == ack_fields("not.an.ack") == AckFields(1, 0, 0, 0)
