@@ -15,8 +15,11 @@ An envelope holds at most half the batch budget of the smallest worker serving i
 leaves its tail waiting a whole batch behind while other workers idle, and one of half a
 batch lets a worker fill a batch from two gateways' or two turns' envelopes. Measured at 32
 simulated workers, budget 32, 90% load: envelopes of 16 put p99 at 1.17x the best push
-router's, envelopes of 64 at 1.61x (docs/benchmarks.md). A one-worker model with a large
-budget keeps envelopes of 64, where sharing the publish matters most.
+router's, envelopes of 64 at 1.61x (docs/benchmarks.md). A quarter of the budget (8 there)
+cost the gateway and nats-server 15-20% more CPU a request at saturation for a p99 at 16
+workers lower in 2 of 4 pairs (docs/benchmarks.md, "Envelopes of a quarter of the budget
+and idle one-message pulls"). A one-worker model with a large budget keeps envelopes of 64,
+where sharing the publish matters most.
 """
 
 from __future__ import annotations
@@ -113,7 +116,7 @@ def envelope_cap(smallest_budget: int | None) -> int:
     items) is `smallest_budget` (None or 0: no worker has reported one yet)."""
     if not smallest_budget:
         return MAX_REQUESTS_PER_ENVELOPE
-    return max(1, min(MAX_REQUESTS_PER_ENVELOPE, smallest_budget // 4))
+    return max(1, min(MAX_REQUESTS_PER_ENVELOPE, smallest_budget // 2))
 
 
 class _Entry(NamedTuple):

@@ -28,7 +28,7 @@ class RecentMessages:
     """The sizes (requests per message) and queue positions of the last work messages pulled."""
 
     def __init__(self, kept: int = MESSAGES_KEPT) -> None:
-        self._requests: deque[int] = deque([1], maxlen=kept)
+        self._requests: deque[int] = deque(maxlen=kept)
         # (when, the consumer's delivery sequence) of each: the consumer's delivery rate.
         self._deliveries: deque[tuple[float, int]] = deque(maxlen=kept)
         self._queued_after = 0  # messages the queue still held after the last one
@@ -48,7 +48,14 @@ class RecentMessages:
         """How many messages to pull for `room` requests: as many as fit even if each is as
         large as the largest lately, and at least one (a room smaller than one message still
         pulls one); no more than `at_most` (0: no bound) while the queue ahead holds less than
-        `unless_queued_s` of work."""
+        `unless_queued_s` of work.
+
+        One until a message has been seen: a fresh worker cannot know how large the gateways'
+        envelopes are (up to 64 requests), and counting each as one request let its first
+        pull take `room` envelopes, many batches of work that waited behind it while the
+        workers already running had room."""
+        if not self._requests:
+            return 1
         messages = max(1, room // max(self._requests))
         if at_most and self.queue_ahead_s() < unless_queued_s:
             return min(messages, at_most)
