@@ -19,7 +19,7 @@ from shoal.protocol import (
     now_ms,
     work_subject,
 )
-from shoal.worker.items import AckFields, ack_fields
+from shoal.worker.items import ack_fields
 from shoal.worker.pull_sizing import RecentMessages
 
 
@@ -39,33 +39,13 @@ def test_a_pull_fits_the_room_even_if_every_message_is_as_large_as_the_largest_l
     assert RecentMessages().messages_for_room(32) == 1  # nothing seen: envelopes may be large
 
 
-def test_the_queue_ahead_is_its_length_over_the_consumers_delivery_rate():
-    recent = RecentMessages()
-    recent.observe(4, queued_after=50, consumer_seq=100, at=10.0)
-    assert recent.queue_ahead_s() == 0.0  # one delivery: no rate yet
-    # 200 deliveries (to every worker of the consumer) in 0.5 s: 400 a second.
-    recent.observe(4, queued_after=80, consumer_seq=300, at=10.5)
-    assert recent.queue_ahead_s() == 80 / 400
-
-
-def test_an_idle_pull_takes_one_message_only_while_the_queue_ahead_is_short():
-    recent = RecentMessages()
-    recent.observe(2, queued_after=0, consumer_seq=100, at=10.0)
-    recent.observe(2, queued_after=10, consumer_seq=300, at=10.5)  # 10 / 400 a s: 25 ms
-    assert recent.messages_for_room(32) == 16  # no bound asked for
-    assert recent.messages_for_room(32, at_most=1, unless_queued_s=0.1) == 1
-    # A queue of 25 ms against batches of 20 ms: a batch started on one message would run
-    # short while the rest waited in the queue anyway, so the pull takes the room.
-    assert recent.messages_for_room(32, at_most=1, unless_queued_s=0.02) == 16
-
-
-def test_the_queue_left_behind_a_message_is_read_from_its_ack_subject():
+def test_a_messages_deliveries_and_stream_sequence_are_read_from_its_ack_subject():
     v1 = "$JS.ACK.SHOAL_WORK.work-m.3.77.70.1733000000000000000.12"
-    assert ack_fields(v1) == AckFields(deliveries=3, stream_seq=77, consumer_seq=70, pending=12)
+    assert ack_fields(v1) == (3, 77)  # deliveries, stream sequence
     v2 = "$JS.ACK.domain.account.SHOAL_WORK.work-m.1.77.70.1733000000000000000.5.token"
-    assert ack_fields(v2) == AckFields(1, 77, 70, 5)
+    assert ack_fields(v2) == (1, 77)
     # Unknown: a first delivery, nothing else known.
-    assert ack_fields(None) == ack_fields("not.an.ack") == AckFields(1, 0, 0, 0)
+    assert ack_fields(None) == ack_fields("not.an.ack") == (1, 0)
 
 
 async def _publish_envelopes(url: str, model: str, envelopes: int, requests: int) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from shoal.api.errors import ApiError
 from shoal.protocol import Endpoint, WorkEnvelope, WorkRequest
@@ -91,38 +91,23 @@ def _endpoint(value: str) -> Endpoint | None:
     return _ENDPOINTS.get(value or Endpoint.EMBEDDINGS.value)
 
 
-class AckFields(NamedTuple):
-    """What JetStream tells about a pulled message in its ack subject."""
-
-    deliveries: int  # how often it has been delivered (1: the first time)
-    stream_seq: int  # its sequence in the stream (0: unknown)
-    consumer_seq: int  # the consumer's delivery sequence, across all its workers (0: unknown)
-    pending: int  # messages the consumer still had queued behind it (0: unknown)
-
-
-UNKNOWN_ACK = AckFields(1, 0, 0, 0)
-
-
-def ack_fields(reply_subject: str | None) -> AckFields:
-    """A pulled message's fields, read from its ack subject.
+def ack_fields(reply_subject: str | None) -> tuple[int, int]:
+    """(how often JetStream has delivered a pulled message, its sequence in the stream), read
+    from its ack subject; (1, 0) if unknown.
 
     `$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>`, or with domain
-    and account hash before the stream (12 tokens or more). Parsing it here costs a split;
-    nats.py's `Msg.metadata` built objects for every field.
+    and account hash before the stream (12 tokens or more). Parsing it here costs one split
+    for both (a named tuple cost more than the split); nats.py's `Msg.metadata` built objects
+    for every field.
     """
     if not reply_subject:
-        return UNKNOWN_ACK
+        return 1, 0
     tokens = reply_subject.split(".")
     first = 4 if len(tokens) == 9 else 6
     try:
-        return AckFields(
-            int(tokens[first]),
-            int(tokens[first + 1]),
-            int(tokens[first + 2]),
-            int(tokens[first + 4]),
-        )
+        return int(tokens[first]), int(tokens[first + 1])
     except (IndexError, ValueError):
-        return UNKNOWN_ACK
+        return 1, 0
 
 
 @dataclass(slots=True)

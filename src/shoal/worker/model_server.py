@@ -111,8 +111,8 @@ class ModelServer:
         self._stopping = asyncio.Event()
         self.adapters: dict[str, _AdapterFeed] = {}
         self.quality: dict[str, float] = {}
-        # The last pulled messages' sizes (envelopes: group commit at the gateway) and queue
-        # positions, to size pulls to the room (worker/pull_sizing.py).
+        # The last pulled messages' sizes (envelopes: group commit at the gateway), to size
+        # pulls to the room (worker/pull_sizing.py).
         self._recent_messages = RecentMessages()
         self._background_tasks: set[asyncio.Task] = set()
         # Poison messages (worker/poison.py): attempt records and dead letters.
@@ -337,10 +337,10 @@ class ModelServer:
         if not envelope.requests:
             self._background(msg.ack())
             return
-        ack = ack_fields(msg.reply)
+        deliveries, stream_seq = ack_fields(msg.reply)
         size = len(envelope.requests)
-        message = WorkMessage(msg, size, ack.deliveries, ack.stream_seq)
-        self._recent_messages.observe(size, ack.pending, ack.consumer_seq, self.last_used)
+        message = WorkMessage(msg, size, deliveries, stream_seq)
+        self._recent_messages.observe(size)
         if any(request.body_key for request in envelope.requests):
             self._background(self._accept_stored(message, envelope, adapter))
             return
@@ -435,10 +435,9 @@ class ModelServer:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(room_changed.wait(), wait_s)
                 continue
-            window = self._scheduler.pull_window(self.settings.poll_s)
-            messages = recent.messages_for_room(room, window.messages, window.batch_s)
+            messages = recent.messages_for_room(room)
             try:
-                await puller.pull(messages, window.expires_s)
+                await puller.pull(messages, self.settings.poll_s)
             except Exception as err:  # a reconnect in progress: try again shortly
                 log.warning("pull failed: %s", err)
                 await asyncio.sleep(0.2)

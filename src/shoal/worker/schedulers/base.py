@@ -48,21 +48,6 @@ class WorkerCounters:
             self.redelivered += 1
 
 
-@dataclass(frozen=True, slots=True)
-class PullWindow:
-    """How the next pull request is shaped: how long it may stay open and, for an idle worker
-    on a long-batch device, at most `messages` messages (0: as many as the room takes) while
-    the queue ahead holds less than `batch_s` (the seconds of a full batch) of work.
-
-    JetStream deals messages to an open request until it is filled or expires, and a request
-    cannot be withdrawn: what it takes once this worker's batch has started waits out that
-    batch here, while another worker could have run it."""
-
-    expires_s: float
-    batch_s: float = 0.0
-    messages: int = 0
-
-
 @dataclass
 class SchedulerContext:
     """The sidecar's parts a scheduler uses. `room_changed` wakes the fill loop."""
@@ -100,11 +85,6 @@ class Scheduler(Protocol):
     def pull_after_s(self) -> float:
         """Seconds to leave the queue's items to other workers before pulling again (0: pull
         now); `room_changed` cuts the wait short."""
-        ...
-
-    def pull_window(self, longest_s: float) -> PullWindow:
-        """How the pull request about to be sent is shaped (`PullWindow`), open `longest_s`
-        at most."""
         ...
 
     def cancel(self, request_id: str) -> None:
@@ -153,9 +133,6 @@ class SchedulerBase:
 
     def pull_after_s(self) -> float:
         return 0.0
-
-    def pull_window(self, longest_s: float) -> PullWindow:
-        return PullWindow(longest_s)
 
     def stop_accepting(self) -> None:
         self._accepting = False

@@ -21,7 +21,7 @@ import time
 from shoal.protocol import ModelSpec, Task, now_ms
 from shoal.worker.batch_wait import CostCurve, CostFit, LoadMeter, plan_wait
 from shoal.worker.items import Reply, WorkItem, take_batch
-from shoal.worker.schedulers.base import PullWindow, SchedulerBase, SchedulerContext
+from shoal.worker.schedulers.base import SchedulerBase, SchedulerContext
 from shoal.worker.tasks.cross_encode import RerankHandler
 from shoal.worker.tasks.embed import EmbeddingsHandler
 from shoal.worker.tasks.isolate import BatchTask
@@ -32,13 +32,6 @@ log = logging.getLogger(__name__)
 # pull takes on a LAN (~1 ms), so the device does not wait for the network even when the
 # curve overestimates the batch by a few ms. A batch shorter than this is pulled for at once.
 PULL_LEAD_S = 0.010
-# Where batches are long (a fixed cost of at least this), an idle worker pulls one message at a
-# time, each pull living no longer than the worker has been idle (at least SHORT_PULL_S) and
-# ending LATE_PULL_MARGIN_S before a wait for a fuller batch does (at least MIN_PULL_S).
-LONG_BATCH_S = 0.025
-SHORT_PULL_S = 0.005
-LATE_PULL_MARGIN_S = 0.002
-MIN_PULL_S = 0.001
 # How long a known culprit waits for suspect messages still being looked up (an attempt
 # record read, bounded by poison.KV_TIMEOUT_S): past it, it runs.
 CULPRIT_WAIT_S = 3.0
@@ -62,9 +55,6 @@ class BatchScheduler(SchedulerBase):
         self._curve_profile = ctx.profiled_latency_s
         self._load = LoadMeter()
         self._running_until = 0.0  # the running batch's expected end (monotonic)
-        self._fit: CostFit | None = None  # the cost curve as of the last batch
-        self._idle_since = time.monotonic()  # the last batch's end
-        self._wait_until = 0.0  # the end of a wait for a fuller batch in progress (monotonic)
 
     def room(self) -> int:
         return self._ctx.settings.max_batch_items - len(self._pending)
@@ -77,28 +67,6 @@ class BatchScheduler(SchedulerBase):
             return 0.0
         return max(0.0, self._running_until - PULL_LEAD_S - time.monotonic())
 
-    def pull_window(self, longest_s: float) -> PullWindow:
-        """On a long-batch device an idle worker asks for one message at a time: its next
-        batch starts when one comes (or when a wait for a fuller batch has what it waits
-        for), and a pull open for more kept taking items after that, which waited out the
-        whole batch here (docs/benchmarks.md, "The tail at 90% load"). Each such pull ends
-        before a wait for a fuller batch does and lives at most as long as the worker has
-        been idle: short while the load is on, growing to `longest_s` when the queue is quiet,
-        so an idle worker still sends about one pull a second. A running batch's late pull
-        and every pull on a short-batch device ask for the room: little arrives after a short
-        batch starts."""
-        fit = self._fit
-        if fit is None or fit.fixed_s < LONG_BATCH_S:
-            return PullWindow(longest_s)
-        batch_s = fit.seconds(self._ctx.settings.max_batch_items)
-        if self._running:
-            return PullWindow(longest_s, batch_s)
-        now = time.monotonic()
-        life = max(SHORT_PULL_S, now - self._idle_since)
-        if self._wait_until > now:
-            life = min(life, max(MIN_PULL_S, self._wait_until - LATE_PULL_MARGIN_S - now))
-        return PullWindow(min(longest_s, life), batch_s, messages=1)
-
     def cancel(self, request_id: str) -> None:
         # A running batch is short and runs to its end; a cancelled item not yet run is
         # dropped before it runs (`_run_batch`), whenever it is pulled.
@@ -110,7 +78,7 @@ class BatchScheduler(SchedulerBase):
             if self._ctx.profiled_latency_s is not self._curve_profile:
                 self._curve_profile = self._ctx.profiled_latency_s
                 self._curve.use_profile(self._curve_profile)
-            fit = self._fit = self._curve.fit()  # once a batch: a fit over ~70 points
+            fit = self._curve.fit()  # once a batch: a least-squares fit over ~70 points
             if settings.adaptive_batch_wait:
                 await self._wait_for_fuller_batch(fit)
             await self._hold_culprit_for_suspects()
@@ -164,15 +132,12 @@ class BatchScheduler(SchedulerBase):
         )
         if plan.max_wait_s <= 0:
             return
-        deadline = self._wait_until = began + plan.max_wait_s
-        try:
-            while self._accepting and len(self._pending) < plan.target_items:
-                if sum(item.cost for item in self._pending) >= settings.max_batch_tokens:
-                    break
-                if not await self._wait_for_arrival(deadline):
-                    break
-        finally:
-            self._wait_until = 0.0
+        deadline = began + plan.max_wait_s
+        while self._accepting and len(self._pending) < plan.target_items:
+            if sum(item.cost for item in self._pending) >= settings.max_batch_tokens:
+                break
+            if not await self._wait_for_arrival(deadline):
+                break
         waited_s = time.monotonic() - began
         self._ctx.metrics.batch_wait.observe(waited_s)
         # `SHOAL_LOG_LEVEL=debug`: what each wait was planned on (how the closed-loop stall
@@ -225,5 +190,4 @@ class BatchScheduler(SchedulerBase):
         await ctx.outbox.replies(zip(live, outcome.replies, strict=True))
         await self._ack_all(live)
         self._running = []
-        self._idle_since = time.monotonic()
         ctx.room_changed.set()  # a fill loop waiting for the batch's end pulls now
