@@ -15,7 +15,7 @@ from conftest import scheduler_context
 
 from shoal.broker.connection import connect
 from shoal.config import WorkerSettings
-from shoal.protocol import Endpoint, Task, now_ms
+from shoal.protocol import Endpoint, Task, decode_results, now_ms
 from shoal.runtimes.sim import SimEmbeddingRuntime
 from shoal.worker.items import WorkItem
 from shoal.worker.schedulers.batch import PULL_LEAD_S, BatchScheduler
@@ -69,3 +69,61 @@ def test_a_long_batch_leaves_the_queue_to_others_until_near_its_end(nats_server)
 def test_a_batch_shorter_than_the_lead_pulls_at_once(nats_server):
     during, _, after = asyncio.run(_pull_after_during_a_batch(nats_server.url, 0.008))
     assert during == 0.0 and after == 0.0
+
+
+class _FailsOnce(EmbeddingsHandler):
+    """The simulated runtime's handler, but its first batch raises out of `handle` (a bug or
+    a runtime crash that the per-item isolation does not catch)."""
+
+    failed = False
+
+    def handle(self, bodies, adapters=None, endpoints=None):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("the runtime crashed")
+        return super().handle(bodies, adapters, endpoints)
+
+
+async def _a_failed_batch(url: str) -> tuple[list[WorkItem], bytes]:
+    """What the scheduler still holds after a batch whose handler raised, and the answer to
+    the next item."""
+    nc = await connect(url, name="failed-batch")
+    answers = await nc.subscribe("test.failed-batch.replies")
+    settings = WorkerSettings(nats_url=url, max_batch_items=8, adaptive_batch_wait=False)
+    ctx = scheduler_context(nc, settings, "sim-failing")
+    runtime = SimEmbeddingRuntime("sim-failing", {"batch_ms": 1, "token_us": 0})
+    handler = _FailsOnce(runtime, "sim-failing", {})
+    scheduler = BatchScheduler(ctx, handler, Task.EMBEDDINGS)
+    running = asyncio.create_task(scheduler.run())
+
+    def item(request_id: str) -> WorkItem:
+        sent = now_ms()
+        body = b'{"model": "sim-failing", "input": "one"}'
+        return WorkItem(
+            None, request_id, answers.subject, sent + 60_000, sent, 1, Endpoint.EMBEDDINGS, body
+        )
+
+    try:
+        scheduler.accept(item("fails"))
+        for _ in range(100):  # the batch fails at once; its end is logged
+            await asyncio.sleep(0.01)
+            if handler.failed and not scheduler.held():
+                break
+        held_after_failure = scheduler.held()
+        scheduler.accept(item("runs"))
+        answer = await answers.next_msg(timeout=5)
+        return held_after_failure, answer.data
+    finally:
+        scheduler.stop_accepting()
+        await asyncio.wait_for(running, 5)
+        ctx.executor.shutdown()
+        await nc.close()
+
+
+def test_a_failed_batch_is_let_go_so_jetstream_redelivers_it(nats_server):
+    # Held items get in-progress acks (the model server's keep-alive): a failed batch still
+    # held would never be redelivered, and its clients would wait out their deadlines.
+    held, next_answer = asyncio.run(_a_failed_batch(nats_server.url))
+    assert held == []
+    (result,) = decode_results(next_answer).results  # the scheduler goes on with the next
+    assert result.request_id == "runs" and result.status == 200

@@ -167,6 +167,17 @@ class BatchScheduler(SchedulerBase):
         if not live:
             return
         self._running = live
+        try:
+            await self._run_live(live, fit)
+        finally:
+            # After a failure too: what is held gets in-progress acks (the model server's
+            # keep-alive), so a failed batch left here would never be redelivered.
+            self._running = []
+            ctx.room_changed.set()  # a fill loop waiting for the batch's end pulls now
+
+    async def _run_live(self, live: list[WorkItem], fit: CostFit | None) -> None:
+        """Run `live` in one handler call, then answer and ack every item."""
+        ctx = self._ctx
         self._running_until = time.monotonic() + (fit.seconds(len(live)) if fit else 0.0)
         ctx.busy.start()
         try:
@@ -189,5 +200,3 @@ class BatchScheduler(SchedulerBase):
         # items to be redelivered, and the gateway drops the duplicate results.
         await ctx.outbox.replies(zip(live, outcome.replies, strict=True))
         await self._ack_all(live)
-        self._running = []
-        ctx.room_changed.set()  # a fill loop waiting for the batch's end pulls now
