@@ -97,4 +97,6 @@ def test_a_fresh_worker_does_not_take_more_envelopes_than_its_batches_hold(nats_
         lambda: (counts := asyncio.run(_consumer_counts(nats_server.url, model)))[0] and counts,
         10,
     )
-    assert taken <= 4 and queued == 6 - taken, (taken, queued)
+    # Acked envelopes leave both counts (the first batch ends 1.5 s in), so: at most 4 taken,
+    # at least 2 still queued.
+    assert taken <= 4 and queued >= 2, (taken, queued)

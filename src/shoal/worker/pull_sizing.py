@@ -32,10 +32,11 @@ class RecentMessages:
         large as the largest lately, and at least one (a room smaller than one message still
         pulls one).
 
-        One until a message has been seen: a fresh worker cannot know how large the gateways'
-        envelopes are (up to 64 requests), and counting each as one request let its first
-        pull take `room` envelopes, many batches of work that waited behind it while the
-        workers already running had room (tests/test_pull_sizing.py)."""
+        One until a message has been seen (a fresh worker's pulls, one at a time): it cannot
+        know how large the gateways' envelopes are (up to 64 requests), and counting each as
+        one request let its first pull take `room` envelopes, many batches of work that
+        waited behind it while the workers already running had room
+        (tests/test_pull_sizing.py)."""
         if not self._requests:
             return 1
         return max(1, room // max(self._requests))
