@@ -9,37 +9,78 @@ measured in bench.push_vs_pull (docs/benchmarks.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
+from typing import NamedTuple
 
 from conftest import scheduler_context
+from nats.aio.subscription import Subscription
 
 from shoal.broker.connection import connect
 from shoal.config import WorkerSettings
 from shoal.protocol import Endpoint, Task, decode_results, now_ms
 from shoal.runtimes.sim import SimEmbeddingRuntime
 from shoal.worker.items import WorkItem
+from shoal.worker.schedulers.base import SchedulerContext
 from shoal.worker.schedulers.batch import PULL_LEAD_S, BatchScheduler
 from shoal.worker.tasks.embed import EmbeddingsHandler
+
+
+class _Harness(NamedTuple):
+    """A batch scheduler running on the SIMULATED runtime, answering on `answers`."""
+
+    scheduler: BatchScheduler
+    ctx: SchedulerContext
+    answers: Subscription
+
+    def item(self, request_id: str) -> WorkItem:
+        """A request for the harness's model, due in a minute."""
+        sent = now_ms()
+        body = b'{"model": "sim", "input": "one"}'
+        return WorkItem(
+            None,
+            request_id,
+            self.answers.subject,
+            sent + 60_000,
+            sent,
+            1,
+            Endpoint.EMBEDDINGS,
+            body,
+        )
+
+
+@contextlib.asynccontextmanager
+async def _running_scheduler(
+    url: str, batch_s: float, budget: int, handler_class: type[EmbeddingsHandler], **parts
+) -> AsyncIterator[_Harness]:
+    """A scheduler run on a device of `batch_s` a batch, stopped and cleaned up after."""
+    nc = await connect(url, name="scheduler-test")
+    answers = await nc.subscribe(nc.new_inbox())
+    settings = WorkerSettings(nats_url=url, max_batch_items=budget, adaptive_batch_wait=False)
+    ctx = scheduler_context(nc, settings, "sim", **parts)
+    runtime = SimEmbeddingRuntime("sim", {"batch_ms": batch_s * 1000, "token_us": 0})
+    scheduler = BatchScheduler(ctx, handler_class(runtime, "sim", {}), Task.EMBEDDINGS)
+    running = asyncio.create_task(scheduler.run())
+    try:
+        yield _Harness(scheduler, ctx, answers)
+    finally:
+        scheduler.stop_accepting()
+        await asyncio.wait_for(running, 5)
+        ctx.executor.shutdown()
+        await nc.close()
 
 
 async def _pull_after_during_a_batch(url: str, batch_s: float) -> tuple[float, float, float]:
     """One item through a scheduler on a device of `batch_s` a batch whatever its size (its
     profile says so): `pull_after_s` while the batch runs, how long the batch took, and
     `pull_after_s` once it ended."""
-    nc = await connect(url, name="late-pull")
-    answers = await nc.subscribe("test.late-pull.replies")
-    settings = WorkerSettings(nats_url=url, max_batch_items=32, adaptive_batch_wait=False)
     profile = {n: batch_s for n in (1, 8, 32)}
-    ctx = scheduler_context(nc, settings, "sim-late", profiled_latency_s=profile)
-    runtime = SimEmbeddingRuntime("sim-late", {"batch_ms": batch_s * 1000, "token_us": 0})
-    scheduler = BatchScheduler(ctx, EmbeddingsHandler(runtime, "sim-late", {}), Task.EMBEDDINGS)
-    running = asyncio.create_task(scheduler.run())
-    try:
-        sent = now_ms()
-        body = b'{"model": "sim-late", "input": "one"}'
-        item = WorkItem(
-            None, "late-1", answers.subject, sent + 60_000, sent, 1, Endpoint.EMBEDDINGS, body
-        )
+    async with _running_scheduler(
+        url, batch_s, 32, EmbeddingsHandler, profiled_latency_s=profile
+    ) as harness:
+        scheduler, ctx, answers = harness
+        item = harness.item("late-1")
         began = time.monotonic()
         scheduler.accept(item)
         await asyncio.sleep(min(0.05, batch_s / 4))  # the batch runs
@@ -52,11 +93,6 @@ async def _pull_after_during_a_batch(url: str, batch_s: float) -> tuple[float, f
         # The batch's end wakes a fill loop waiting to pull.
         assert ctx.room_changed.is_set()
         return during, took, scheduler.pull_after_s()
-    finally:
-        scheduler.stop_accepting()
-        await asyncio.wait_for(running, 5)
-        ctx.executor.shutdown()
-        await nc.close()
 
 
 def test_a_long_batch_leaves_the_queue_to_others_until_near_its_end(nats_server):
@@ -87,37 +123,17 @@ class _FailsOnce(EmbeddingsHandler):
 async def _a_failed_batch(url: str) -> tuple[list[WorkItem], bytes]:
     """What the scheduler still holds after a batch whose handler raised, and the answer to
     the next item."""
-    nc = await connect(url, name="failed-batch")
-    answers = await nc.subscribe("test.failed-batch.replies")
-    settings = WorkerSettings(nats_url=url, max_batch_items=8, adaptive_batch_wait=False)
-    ctx = scheduler_context(nc, settings, "sim-failing")
-    runtime = SimEmbeddingRuntime("sim-failing", {"batch_ms": 1, "token_us": 0})
-    handler = _FailsOnce(runtime, "sim-failing", {})
-    scheduler = BatchScheduler(ctx, handler, Task.EMBEDDINGS)
-    running = asyncio.create_task(scheduler.run())
-
-    def item(request_id: str) -> WorkItem:
-        sent = now_ms()
-        body = b'{"model": "sim-failing", "input": "one"}'
-        return WorkItem(
-            None, request_id, answers.subject, sent + 60_000, sent, 1, Endpoint.EMBEDDINGS, body
-        )
-
-    try:
-        scheduler.accept(item("fails"))
+    async with _running_scheduler(url, 0.001, 8, _FailsOnce) as harness:
+        scheduler = harness.scheduler
+        scheduler.accept(harness.item("fails"))
         for _ in range(100):  # the batch fails at once; its end is logged
             await asyncio.sleep(0.01)
-            if handler.failed and not scheduler.held():
+            if scheduler.held() == []:
                 break
         held_after_failure = scheduler.held()
-        scheduler.accept(item("runs"))
-        answer = await answers.next_msg(timeout=5)
+        scheduler.accept(harness.item("runs"))
+        answer = await harness.answers.next_msg(timeout=5)
         return held_after_failure, answer.data
-    finally:
-        scheduler.stop_accepting()
-        await asyncio.wait_for(running, 5)
-        ctx.executor.shutdown()
-        await nc.close()
 
 
 def test_a_failed_batch_is_let_go_so_jetstream_redelivers_it(nats_server):

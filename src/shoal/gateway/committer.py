@@ -16,8 +16,8 @@ leaves its tail waiting a whole batch behind while other workers idle, and one o
 batch lets a worker fill a batch from two gateways' or two turns' envelopes. Measured at 32
 simulated workers, budget 32, 90% load: envelopes of 16 put p99 at 1.17x the best push
 router's, envelopes of 64 at 1.61x (docs/benchmarks.md). A quarter of the budget (8 there)
-cost the gateway and nats-server 15-20% more CPU a request at saturation for a p99 at 16
-workers lower in 2 of 4 pairs (docs/benchmarks.md, "Envelopes of a quarter of the budget
+cost the gateway +20% and nats-server +21% CPU a request at saturation with 16 workers, for a
+p99 lower in 2 of 4 pairs (docs/benchmarks.md, "Envelopes of a quarter of the budget
 and idle one-message pulls"). A one-worker model with a large budget keeps envelopes of 64,
 where sharing the publish matters most.
 """
