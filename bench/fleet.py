@@ -482,9 +482,7 @@ def held_out_best(rps: dict[str, list[float]]) -> dict:
         return {}
     ratios, chosen = [], []
     for r in range(rounds):
-        others = {
-            c: statistics.median(v[:r] + v[r + 1 :]) for c, v in ((c, rps[c]) for c in manual)
-        }
+        others = {c: statistics.median(rps[c][:r] + rps[c][r + 1 :]) for c in manual}
         best = max(manual, key=others.__getitem__)
         chosen.append(int(best))
         ratios.append(rps["tuned"][r] / rps[best][r])
