@@ -434,10 +434,11 @@ def summarize_sweep(rps: dict[str, list[float]], resamples: int = 5000) -> dict:
     `rps` maps "tuned" and each manual budget to its measurements in round order. Besides the
     ratio of medians: per-round ratios of tuned to each manual budget (the two measured in the
     same round), a bootstrap (resampling each budget's rounds) of the ratio of medians, and
-    the ratio to the best manual budget chosen on the other rounds (`held_out_best`).
+    the per-round ratios to the best manual budget chosen on the other rounds
+    (`held_out_comparison`).
     """
     medians = {c: statistics.median(v) for c, v in rps.items()}
-    manual = [c for c in rps if c != "tuned"]
+    manual = manual_budgets(rps)
     best = max(manual, key=medians.__getitem__)
     paired = {
         c: statistics.median(t / m for t, m in zip(rps["tuned"], rps[c], strict=True))
@@ -460,24 +461,30 @@ def summarize_sweep(rps: dict[str, list[float]], resamples: int = 5000) -> dict:
         "ratio_tuned_to_best_manual": medians["tuned"] / medians[best],
         "median_paired_ratio_tuned_to": paired,
         "bootstrap_ratio_5_95": [ratios[resamples // 20], ratios[resamples - resamples // 20]],
-        **held_out_best(rps),
+        **held_out_comparison(rps),
     }
 
 
-def held_out_best(rps: dict[str, list[float]]) -> dict:
+def manual_budgets(rps: dict[str, list[float]]) -> list[str]:
+    """The sweep's manual budgets: every configuration but the tuned one."""
+    return [c for c in rps if c != "tuned"]
+
+
+def held_out_comparison(rps: dict[str, list[float]]) -> dict:
     """Tuned against the manual budget a sweep would have chosen, measured on rounds the choice
     did not see: for each round, the best manual budget by its median over the other rounds,
-    and tuned / that budget in this round; the median of those ratios.
+    and tuned / that budget in this round; the median of those per-round ratios.
 
     The ratio of medians picks the best manual budget on the same rounds it scores it on, so
     where several budgets run alike (at 64 connections every budget of 64 or more runs the
-    same batches) it compares tuned to the luckiest of them: the largest of several draws of
-    one figure, which a further draw falls short of by chance (docs/benchmarks.md, "Issue 11
-    part 4 at 64 and 256 connections"). Chosen on other rounds, the best manual budget is
-    scored as a user who ran the sweep and kept its winner would see it.
+    same batches) it compares tuned to the luckiest of them (docs/benchmarks.md, "Issue 11
+    part 4 at 64 and 256 connections, and why 64 connections cannot decide it"). Chosen on
+    other rounds, the best manual budget is scored as a user who ran the sweep and kept its
+    winner would see it. Being a median of paired ratios, compare it with the paired ratio to
+    the same-rounds winner (`median_paired_ratio_tuned_to`), not only the ratio of medians.
     """
     rounds = len(rps["tuned"])
-    manual = [c for c in rps if c != "tuned"]
+    manual = manual_budgets(rps)
     if rounds < 2 or not manual:
         return {}
     ratios, chosen = [], []
@@ -503,7 +510,7 @@ def print_summary(summary: dict) -> None:
     )
     if "ratio_tuned_to_held_out_best" in summary:
         print(
-            "tuned / best manual chosen on the other rounds: "
+            "tuned / best manual chosen on the other rounds (median of per-round ratios): "
             f"{summary['ratio_tuned_to_held_out_best']:.3f} (by round: "
             + ", ".join(
                 f"{r:.3f} vs {b}"
