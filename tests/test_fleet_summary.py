@@ -15,12 +15,12 @@ def test_the_best_manual_budget_is_chosen_on_rounds_it_is_not_scored_on():
         "128": [105.0, 105.0, 105.0, 105.0],
     }
     held_out = held_out_comparison(rps)
-    assert held_out["held_out_comparison_budgets"] == [128, 64, 128, 64]
+    assert held_out["held_out_best_budgets"] == [128, 64, 128, 64]
     # Round 1: chosen on rounds 2-4 (64's median 90 < 128's 105): 100 / 105.
     assert held_out["held_out_ratios"] == [100 / 105, 100 / 90, 100 / 105, 100 / 90]
     assert (
-        summarize_sweep(rps)["ratio_tuned_to_held_out_comparison"]
-        == held_out["ratio_tuned_to_held_out_comparison"]
+        summarize_sweep(rps)["ratio_tuned_to_held_out_best"]
+        == held_out["ratio_tuned_to_held_out_best"]
     )
 
 
