@@ -500,6 +500,27 @@ def held_out_comparison(rps: dict[str, list[float]]) -> dict:
     }
 
 
+def pooled_held_out(sweeps: list[dict[str, list[float]]], resamples: int = 5000) -> dict:
+    """The held-out per-round ratios of several sweeps of one build, pooled.
+
+    At 64 connections one sweep's 4-10 rounds leave an interval 0.1-0.2 wide around a 5%
+    target; sweeps of the same build, each choosing its best manual budget on its own other
+    rounds, add up. The interval is a bootstrap of the pooled median over rounds.
+    """
+    ratios = [r for rps in sweeps for r in held_out_comparison(rps).get("held_out_ratios", [])]
+    if not ratios:
+        return {}
+    rng = random.Random(0)
+    medians = sorted(
+        statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples)
+    )
+    return {
+        "rounds": len(ratios),
+        "median_held_out_ratio": statistics.median(ratios),
+        "bootstrap_5_95": [medians[resamples // 20], medians[resamples - resamples // 20]],
+    }
+
+
 def print_summary(summary: dict) -> None:
     for name in ("median_rps", "mean_rps", "sd_rps", "median_paired_ratio_tuned_to"):
         print(f"{name}: " + ", ".join(f"{c}: {v:.3f}" for c, v in summary[name].items()))
@@ -522,6 +543,25 @@ def print_summary(summary: dict) -> None:
         )
 
 
+def summarize_files(paths: list[str]) -> None:
+    """Each result file's sweep summary; of several, their held-out ratios pooled."""
+    sweeps = []
+    for path in paths:
+        sweep = json.loads(Path(path).read_text())["sweep"]
+        runs = {c: [m["load"]["rps"] for m in ms] for c, ms in sweep["measurements"].items()}
+        print(f"{path} (profile chose {sweep['profiled_budget']}):")
+        print_summary(summarize_sweep(runs))
+        sweeps.append(runs)
+    pooled = pooled_held_out(sweeps)
+    if len(paths) > 1 and pooled:
+        low, high = pooled["bootstrap_5_95"]
+        print(
+            f"pooled, {pooled['rounds']} rounds: tuned / best manual chosen on the other "
+            f"rounds of its sweep, median {pooled['median_held_out_ratio']:.3f} "
+            f"(bootstrap 5-95%: {low:.3f}-{high:.3f})"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seconds", type=float, default=15, help="per throughput measurement")
@@ -536,14 +576,14 @@ def main() -> None:
     parser.add_argument(
         "--summarize",
         metavar="RESULT",
-        help="print the sweep summary of a result file, run nothing",
+        nargs="+",
+        help="print the sweep summary of result files (and, of several, their held-out "
+        "ratios pooled), run nothing",
     )
     parser.add_argument("--out", default="fleet")
     args = parser.parse_args()
     if args.summarize:
-        sweep = json.loads(Path(args.summarize).read_text())["sweep"]
-        runs = {c: [m["load"]["rps"] for m in ms] for c, ms in sweep["measurements"].items()}
-        print_summary(summarize_sweep(runs))
+        summarize_files(args.summarize)
         return
     if not args.skip_sweep and not wrk_available():
         raise SystemExit("the budget sweep needs wrk (Debian package wrk)")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.fleet import held_out_comparison, summarize_sweep
+from bench.fleet import held_out_comparison, pooled_held_out, summarize_sweep
 
 
 def test_the_best_manual_budget_is_chosen_on_rounds_it_is_not_scored_on():
@@ -26,3 +26,17 @@ def test_the_best_manual_budget_is_chosen_on_rounds_it_is_not_scored_on():
 
 def test_one_round_has_nothing_to_hold_out():
     assert held_out_comparison({"tuned": [100.0], "64": [110.0]}) == {}
+
+
+def test_pooled_rounds_keep_each_sweeps_own_held_out_choice():
+    # Sweep A's manual 64 is steady at 100; sweep B's manual 128 at 125. Pooled, each round
+    # is still scored against its own sweep's choice (tuned / 100 and tuned / 125), not
+    # against the other sweep's budgets or rates.
+    sweep_a = {"tuned": [95.0, 100.0, 105.0], "64": [100.0, 100.0, 100.0]}
+    sweep_b = {"tuned": [100.0, 125.0, 150.0], "128": [125.0, 125.0, 125.0]}
+    pooled = pooled_held_out([sweep_a, sweep_b])
+    assert pooled["rounds"] == 6
+    assert pooled["median_held_out_ratio"] == 1.0
+    low, high = pooled["bootstrap_5_95"]
+    assert 0.8 <= low <= 1.0 <= high <= 1.2
+    assert pooled_held_out([{"tuned": [100.0], "64": [110.0]}]) == {}
