@@ -28,6 +28,7 @@ from bench.harness import (
     write_result,
     wrk_available,
 )
+from bench.stats import median_paired_ratio
 
 MODEL = "all-MiniLM-L6-v2"
 BATCH_SIZES = (1, 8, 16, 32, 64, 128)
@@ -59,18 +60,13 @@ def in_process_sweep(model: InProcessModel, seconds: float) -> dict[int, float]:
     """Sentences/s at each batch size: the mean of an ascending and a descending pass.
 
     One short window a size let a spike choose the "best" batch (one run chose 16 at 223/s,
-    then read 190-210/s at it in every round), which flatters the cluster: two passes in
+    then read 187-210/s at it in every round), which flatters the cluster: two passes in
     opposite order take out the machine's drift during the sweep and halve a spike.
     """
     passes = [
         {b: model.rate(b, seconds) for b in order} for order in (BATCH_SIZES, BATCH_SIZES[::-1])
     ]
     return {b: statistics.mean(p[b] for p in passes) for b in BATCH_SIZES}
-
-
-def median_paired_ratio(cluster: list[float], in_process: list[float]) -> float:
-    """The median over rounds of the cluster's rate / in-process's rate in the same round."""
-    return statistics.median(c / p for c, p in zip(cluster, in_process, strict=True))
 
 
 def _measure_cluster(up: UpCluster, args: argparse.Namespace, encoding: str) -> dict:
@@ -107,22 +103,26 @@ def main() -> None:
     args = parser.parse_args()
     args.encodings = [e for e in args.encodings.split(",") if e]
 
-    # The machine is shared and noisy: the two sides alternate, and medians are compared.
+    # The machine is shared and noisy: the two sides alternate, and both the medians and the
+    # rounds' paired ratios are compared.
     model = InProcessModel(args.threads)
     sweep = in_process_sweep(model, args.seconds / 3)
     best_batch = max(sweep, key=sweep.__getitem__)
     in_process: list[float] = []
+    in_process_first: list[bool] = []
     cluster: dict[str, list[dict]] = {encoding: [] for encoding in args.encodings}
     with UpCluster(env={"SHOAL_THREADS": str(args.threads)}) as up:
         run_load(up.url, MODEL, args.connections, 5, args.client)  # warm up
         for round_index in range(args.rounds):
             # Alternating which side goes first keeps a drift of the machine within a round
             # from favouring one side.
-            if round_index % 2 == 0:
+            first = round_index % 2 == 0
+            in_process_first.append(first)
+            if first:
                 in_process.append(model.rate(best_batch, args.seconds))
             for encoding in args.encodings:
                 cluster[encoding].append(_measure_cluster(up, args, encoding))
-            if round_index % 2 == 1:
+            if not first:
                 in_process.append(model.rate(best_batch, args.seconds))
         warnings = up.logged_warnings()
     limit = statistics.median(in_process)
@@ -136,7 +136,8 @@ def main() -> None:
         + ", ".join(f"batch {b}: {r:.0f}" for b, r in sweep.items())
     )
     for i, rate in enumerate(in_process):
-        print(f"round {i + 1}: in-process batch {best_batch}: {rate:6.1f}/s")
+        order = "first" if in_process_first[i] else "after the cluster"
+        print(f"round {i + 1}: in-process batch {best_batch} ({order}): {rate:6.1f}/s")
         for encoding, runs in cluster.items():
             run, load = runs[i], runs[i]["load"]
             print(
@@ -164,6 +165,7 @@ def main() -> None:
             "in_process_sweep": sweep,
             "best_batch": best_batch,
             "in_process": in_process,
+            "in_process_first": in_process_first,
             "cluster": cluster,
             "median_in_process": limit,
             "median_cluster": through,

@@ -52,6 +52,7 @@ from bench.harness import (
     write_result,
     wrk_available,
 )
+from bench.stats import median_paired_ratio, two_level_bootstrap_median
 from shoal.process import child_preexec
 from shoal.state.workers import WorkerState
 
@@ -440,10 +441,7 @@ def summarize_sweep(rps: dict[str, list[float]], resamples: int = 5000) -> dict:
     medians = {c: statistics.median(v) for c, v in rps.items()}
     manual = manual_budgets(rps)
     best = max(manual, key=medians.__getitem__)
-    paired = {
-        c: statistics.median(t / m for t, m in zip(rps["tuned"], rps[c], strict=True))
-        for c in manual
-    }
+    paired = {c: median_paired_ratio(rps["tuned"], rps[c]) for c in manual}
     rng = random.Random(0)
 
     def resampled_median(values: list[float]) -> float:
@@ -505,19 +503,17 @@ def pooled_held_out(sweeps: list[dict[str, list[float]]], resamples: int = 5000)
 
     At 64 connections one sweep's 4-10 rounds leave an interval 0.1-0.2 wide around a 5%
     target; sweeps of the same build, each choosing its best manual budget on its own other
-    rounds, add up. The interval is a bootstrap of the pooled median over rounds.
+    rounds, add up. The interval resamples sweeps, then rounds within them: a sweep's rounds
+    share its machine state, and the sweeps' medians differ by more than their rounds'.
     """
-    ratios = [r for rps in sweeps for r in held_out_comparison(rps).get("held_out_ratios", [])]
-    if not ratios:
+    per_sweep = [held_out_comparison(rps).get("held_out_ratios", []) for rps in sweeps]
+    per_sweep = [ratios for ratios in per_sweep if ratios]
+    if not per_sweep:
         return {}
-    rng = random.Random(0)
-    medians = sorted(
-        statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples)
-    )
     return {
-        "rounds": len(ratios),
-        "median_held_out_ratio": statistics.median(ratios),
-        "bootstrap_5_95": [medians[resamples // 20], medians[resamples - resamples // 20]],
+        "rounds": sum(len(ratios) for ratios in per_sweep),
+        "median_held_out_ratio": statistics.median(r for ratios in per_sweep for r in ratios),
+        "bootstrap_ratio_5_95": list(two_level_bootstrap_median(per_sweep, resamples)),
     }
 
 
@@ -554,11 +550,11 @@ def summarize_files(paths: list[str]) -> None:
         sweeps.append(runs)
     pooled = pooled_held_out(sweeps)
     if len(paths) > 1 and pooled:
-        low, high = pooled["bootstrap_5_95"]
+        low, high = pooled["bootstrap_ratio_5_95"]
         print(
             f"pooled, {pooled['rounds']} rounds: tuned / best manual chosen on the other "
             f"rounds of its sweep, median {pooled['median_held_out_ratio']:.3f} "
-            f"(bootstrap 5-95%: {low:.3f}-{high:.3f})"
+            f"(bootstrap of sweeps, then rounds, 5-95%: {low:.3f}-{high:.3f})"
         )
 
 

@@ -37,6 +37,6 @@ def test_pooled_rounds_keep_each_sweeps_own_held_out_choice():
     pooled = pooled_held_out([sweep_a, sweep_b])
     assert pooled["rounds"] == 6
     assert pooled["median_held_out_ratio"] == 1.0
-    low, high = pooled["bootstrap_5_95"]
+    low, high = pooled["bootstrap_ratio_5_95"]
     assert 0.8 <= low <= 1.0 <= high <= 1.2
     assert pooled_held_out([{"tuned": [100.0], "64": [110.0]}]) == {}
