@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import shutil
 import signal
@@ -320,16 +321,20 @@ def wait_quiet(up: UpCluster, limit_s: float = 30.0) -> float:
     return time.monotonic() - began
 
 
-def start_worker(up: UpCluster, flags: list[str]) -> subprocess.Popen[str]:
-    """One `shoal worker` for the embedding model on the cluster, once it reports READY."""
-    worker = subprocess.Popen(
-        [*shoal_command(), "worker", "--model", EMBED_MODEL, *flags, "--nats", up.nats_url],
-        env=up.env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        preexec_fn=child_preexec,
-    )
+def start_worker(
+    up: UpCluster, flags: list[str], log_path: Path | None = None
+) -> subprocess.Popen[str]:
+    """One `shoal worker` for the embedding model on the cluster, once it reports READY; its
+    output goes to `log_path` when given."""
+    with open(log_path or os.devnull, "w") as log:
+        worker = subprocess.Popen(
+            [*shoal_command(), "worker", "--model", EMBED_MODEL, *flags, "--nats", up.nats_url],
+            env=up.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            preexec_fn=child_preexec,
+        )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if worker.poll() is not None:
@@ -356,10 +361,43 @@ def stop_worker(up: UpCluster, worker: subprocess.Popen[str]) -> None:
         time.sleep(0.2)
 
 
+def round_order(configs: list[str], round_no: int) -> list[str]:
+    """The order of a round's windows: rows of a Williams square, so that over a cycle of
+    rounds (len(configs) rounds, twice that for an odd count) every configuration runs once in
+    every position and follows every other configuration once.
+
+    Alternating one order with its reverse kept the tuned worker first or last in every round,
+    always after the same manual budget; over eight sweeps (bench/results/session32-36) it
+    read 0.96 of its round's median when last (26 windows) and 1.00 when first (18), an effect
+    of the position or of what ran before it that the design then credited to the budget.
+    """
+    k = len(configs)
+    base = [0]
+    for step in range(1, k):
+        base.append((step + 1) // 2 if step % 2 else k - step // 2)
+    row = round_no % (k if k % 2 == 0 else 2 * k)
+    order = [configs[(b + row) % k] for b in base]
+    return order if row < k else order[::-1]
+
+
+def warm_up_window(up: UpCluster, connections: int, seconds: float) -> float:
+    """One unmeasured window at the profiled budget before the rounds: the sweep's first
+    window ran below the rest of its round in 6 of 8 sweeps (the gateway and nats-server
+    carrying their first load), and it was always the tuned worker's."""
+    worker = start_worker(up, [])
+    try:
+        load = run_wrk(up.url, EMBED_MODEL, connections, seconds)
+        wait_quiet(up)
+    finally:
+        stop_worker(up, worker)
+    return load.rps
+
+
 def budget_sweep(budgets: list[int], rounds: int, seconds: float, connections: int) -> dict:
     """Each budget and the profiled one, on one cluster, one fresh worker at a time."""
     configs: list[str] = ["tuned", *(str(b) for b in budgets)]
     measurements: dict[str, list[dict]] = {c: [] for c in configs}
+    logs = Path(tempfile.mkdtemp(prefix="shoal-fleet-workers-"))
     with UpCluster("--workers", "0") as up:
         # The first worker without --max-batch-items profiles and stores the budget; every
         # later one (as every other worker of a fleet) reads it back.
@@ -370,12 +408,15 @@ def budget_sweep(budgets: list[int], rounds: int, seconds: float, connections: i
         profiles = asyncio.run(read_profiles_of(up.nats_url, up.nats_auth))
         chosen = next(v["max_batch_items"] for v in views if v["name"] == EMBED_MODEL)
         print(f"profiled budget (shoal models --json): {chosen}", flush=True)
+        warm_up_rps = warm_up_window(up, connections, seconds)
+        print(f"warm-up window (not counted), budget tuned: {warm_up_rps:.1f} req/s", flush=True)
         for round_no in range(rounds):
-            order = configs if round_no % 2 == 0 else configs[::-1]
+            order = round_order(configs, round_no)
             for config in order:
                 flags = [] if config == "tuned" else ["--max-batch-items", config]
                 profiles_before = asyncio.run(read_profiles_of(up.nats_url, up.nats_auth))
-                worker = start_worker(up, flags)
+                log_path = logs / f"round{round_no + 1}_{config}.log"
+                worker = start_worker(up, flags, log_path)
                 try:
                     run_wrk(up.url, EMBED_MODEL, connections, 3)  # warm up
                     wait_quiet(up)
@@ -397,6 +438,9 @@ def budget_sweep(budgets: list[int], rounds: int, seconds: float, connections: i
                 # stored profile says (`ProfileAudit`): that run's device time went to profiling.
                 profiles_after = asyncio.run(read_profiles_of(up.nats_url, up.nats_auth))
                 reprofiled = profiles_after != profiles_before
+                # The audit's warning: a profile started, whether or not it finished before
+                # the worker stopped (an unfinished one is abandoned and stores nothing).
+                audit_fired = "profiling again" in log_path.read_text()
                 measurements[config].append(
                     {
                         "round": round_no + 1,
@@ -407,6 +451,7 @@ def budget_sweep(budgets: list[int], rounds: int, seconds: float, connections: i
                         "busy": round(figures.busy_mean, 3),
                         "batch_wait_s": round(figures.batch_wait_s, 3),
                         "reprofiled": reprofiled,
+                        "audit_fired": audit_fired,
                     }
                 )
                 print(
@@ -415,12 +460,14 @@ def budget_sweep(budgets: list[int], rounds: int, seconds: float, connections: i
                     f"{load.p99_ms:.0f} ms, errors {load.errors}, worker cores "
                     f"{cores.get('worker', 0):.2f}, busy {figures.busy_mean:.2f}, "
                     f"waited {figures.batch_wait_s:.2f} s, wrk cpu {load.client_cpu_s:.1f} s"
-                    + (", profiled again" if reprofiled else ""),
+                    + (", profiled again" if reprofiled else "")
+                    + (", its profile audit fired" if audit_fired else ""),
                     flush=True,
                 )
     return {
         "budgets": budgets,
         "profiled_budget": chosen,
+        "warm_up_rps": warm_up_rps,
         "shoal_models": views,
         "profiles": profiles,
         "first_start_with_profiling_s": first_start_s,

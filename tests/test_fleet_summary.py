@@ -1,8 +1,14 @@
-"""bench.fleet's sweep summary: the held-out comparison against the best manual budget."""
+"""bench.fleet's sweep: the order of its windows, and its summary (the held-out comparison
+against the best manual budget)."""
 
 from __future__ import annotations
 
-from bench.fleet import held_out_comparison, pooled_held_out, summarize_sweep
+from collections import Counter
+from itertools import pairwise
+
+import pytest
+
+from bench.fleet import held_out_comparison, pooled_held_out, round_order, summarize_sweep
 
 
 def test_the_best_manual_budget_is_chosen_on_rounds_it_is_not_scored_on():
@@ -40,3 +46,19 @@ def test_pooled_rounds_keep_each_sweeps_own_held_out_choice():
     low, high = pooled["bootstrap_ratio_5_95"]
     assert 0.8 <= low <= 1.0 <= high <= 1.2
     assert pooled_held_out([{"tuned": [100.0], "64": [110.0]}]) == {}
+
+
+@pytest.mark.parametrize("count", [2, 3, 4, 5, 6])
+def test_every_configuration_runs_in_every_position_and_after_every_other(count):
+    configs = ["tuned", *(str(2**i) for i in range(5, 5 + count - 1))]
+    cycle = count if count % 2 == 0 else 2 * count
+    rows = [round_order(configs, r) for r in range(cycle)]
+    assert all(sorted(row) == sorted(configs) for row in rows)
+    for position in range(count):
+        assert Counter(row[position] for row in rows) == Counter(
+            {c: cycle // count for c in configs}
+        )
+    follows = Counter((a, b) for row in rows for a, b in pairwise(row))
+    assert set(follows.values()) == {cycle // count}
+    assert len(follows) == count * (count - 1)
+    assert round_order(configs, cycle) == rows[0]

@@ -111,6 +111,19 @@ def _store(nats_url: str, key: str, profile: BatchProfile) -> None:
     asyncio.run(put())
 
 
+def _timed_on_a_busy_machine(good: BatchProfile) -> BatchProfile:
+    """What a profile timed on a busy machine looks like: every size 3x slower, a small
+    budget."""
+    slow = {size: 3 * seconds for size, seconds in good.latency_s.items()}
+    return msgspec.structs.replace(
+        good,
+        max_batch_items=4,
+        latency_s=slow,
+        throughput={size: size / seconds for size, seconds in slow.items()},
+        profiled_by="a busy machine",
+    )
+
+
 def test_a_worker_profiles_again_when_service_contradicts_a_busy_profile(
     nats_server, launcher, gateway_url
 ):
@@ -121,16 +134,7 @@ def test_a_worker_profiles_again_when_service_contradicts_a_busy_profile(
     assert good.max_batch_items == 256
     first.stop()
 
-    # What a profile timed on a busy machine looks like: every size 3x slower, a small budget.
-    slow = {size: 3 * seconds for size, seconds in good.latency_s.items()}
-    busy = msgspec.structs.replace(
-        good,
-        max_batch_items=4,
-        latency_s=slow,
-        throughput={size: size / seconds for size, seconds in slow.items()},
-        profiled_by="a busy machine",
-    )
-    _store(nats_server.url, key, busy)
+    _store(nats_server.url, key, _timed_on_a_busy_machine(good))
 
     worker = launcher.worker(nats_server.url, model, *sim)
     assert worker_status(nats_server.url, worker.pid, WorkerState.READY).max_batch_items == 4
@@ -166,3 +170,36 @@ def test_a_worker_profiles_again_when_service_contradicts_a_busy_profile(
     assert stored.max_batch_items == 256 and stored.profiled_by != "a busy machine"
     assert stored.latency_s[4] < 2 * good.latency_s[4]
     assert "profiling again" in worker.log()
+
+
+def test_a_worker_stopped_while_it_profiles_again_abandons_the_profile(
+    nats_server, launcher, gateway_url
+):
+    model = "sim-audit-stopped"
+    # 40 ms batches: the sweep of sizes takes several seconds, long enough to stop inside.
+    sim = ["--runtime", "sim", "--option", "batch_ms=40", "--option", "token_us=0"]
+    first = launcher.worker(nats_server.url, model, *sim)
+    ((key, good),) = _profiles(nats_server.url, model).items()
+    first.stop()
+    _store(nats_server.url, key, _timed_on_a_busy_machine(good))
+
+    worker = launcher.worker(nats_server.url, model, *sim)
+    body = {"model": model, "input": "x"}
+    with httpx.Client(timeout=30) as client, ThreadPoolExecutor(16) as pool:
+        list(
+            pool.map(
+                lambda _: client.post(f"{gateway_url}/v1/embeddings", json=body),
+                range(2 * AUDIT_BATCHES),
+            )
+        )
+        deadline = time.monotonic() + 30
+        while "profiling again" not in worker.log() and time.monotonic() < deadline:
+            client.post(f"{gateway_url}/v1/embeddings", json=body)
+    assert "profiling again" in worker.log()
+
+    assert worker.stop() == 0
+    log = worker.log()
+    assert "profiling again abandoned" in log, log[-2000:]
+    assert "profiling again failed" not in log, log[-2000:]
+    # Nothing half-measured was stored: the busy profile stays for the next worker's audit.
+    assert _profiles(nats_server.url, model)[key].profiled_by == "a busy machine"

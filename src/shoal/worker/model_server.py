@@ -250,11 +250,24 @@ class ModelServer:
         self._ctx.profiled_latency_s = budget.latency_s  # the batch wait's curve follows
         self._ctx.room_changed.set()  # more room: the fill loop pulls for the larger budget
 
+    async def _abandon_reprofile(self) -> None:
+        """End a profile in progress: its timings would queue ahead of the batches the drain
+        finishes, and the runtime closes under it (it failed with the runtime's attribute
+        gone). The stored profile stays as it was; the next worker's audit may start again."""
+        task = self._reprofiling
+        if task is None or task.done():
+            return
+        log.warning("%s: profiling again abandoned: the worker is stopping", self.spec.name)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
     async def drain(self) -> None:
         """Stop pulling, hand back (nak) the messages not started, finish and ack the rest,
         release the model."""
         self.state = WorkerState.DRAINING
         self._stopping.set()
+        await self._abandon_reprofile()
         for name in list(self.adapters):
             await self.detach(name)
         if self._scheduler is not None and self._run_task is not None:
