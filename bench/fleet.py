@@ -368,7 +368,8 @@ def round_order(configs: list[str], round_no: int) -> list[str]:
 
     Alternating one order with its reverse kept the tuned worker first or last in every round,
     always after the same manual budget; over eight sweeps (bench/results/session32-36) it
-    read 0.96 of its round's median when last (26 windows) and 1.00 when first (18), an effect
+    read 0.96 of its round's median when last (26 windows) and 1.00 when first (18; each
+    sweep's first window left out), an effect
     of the position or of what ran before it that the design then credited to the budget.
     """
     k = len(configs)
@@ -380,17 +381,24 @@ def round_order(configs: list[str], round_no: int) -> list[str]:
     return order if row < k else order[::-1]
 
 
-def warm_up_window(up: UpCluster, connections: int, seconds: float) -> float:
+def warm_up_window(up: UpCluster, connections: int, seconds: float, log_path: Path) -> dict:
     """One unmeasured window at the profiled budget before the rounds: the sweep's first
-    window ran below the rest of its round in 6 of 8 sweeps (the gateway and nats-server
-    carrying their first load), and it was always the tuned worker's."""
-    worker = start_worker(up, [])
+    window (always the tuned worker's, the cluster's first load) ran below its round's median
+    in 6 of 8 sweeps. Its rate, and whether its profile audit fired (a finished profile
+    changes the stored one before round 1)."""
+    worker = start_worker(up, [], log_path)
     try:
         load = run_wrk(up.url, EMBED_MODEL, connections, seconds)
         wait_quiet(up)
     finally:
         stop_worker(up, worker)
-    return load.rps
+    return {"rps": load.rps, "audit_fired": audit_fired(log_path)}
+
+
+def audit_fired(log_path: Path) -> bool:
+    """Whether the worker's profile audit started a profile at any time in its life (the
+    warm-up, the window or the stop), finished or not: its warning in the worker's log."""
+    return "profiling again" in log_path.read_text()
 
 
 def budget_sweep(budgets: list[int], rounds: int, seconds: float, connections: int) -> dict:
@@ -408,8 +416,13 @@ def budget_sweep(budgets: list[int], rounds: int, seconds: float, connections: i
         profiles = asyncio.run(read_profiles_of(up.nats_url, up.nats_auth))
         chosen = next(v["max_batch_items"] for v in views if v["name"] == EMBED_MODEL)
         print(f"profiled budget (shoal models --json): {chosen}", flush=True)
-        warm_up_rps = warm_up_window(up, connections, seconds)
-        print(f"warm-up window (not counted), budget tuned: {warm_up_rps:.1f} req/s", flush=True)
+        print(f"worker logs: {logs}", flush=True)
+        warm_up = warm_up_window(up, connections, seconds, logs / "warm_up_tuned.log")
+        print(
+            f"warm-up window (not counted), budget tuned: {warm_up['rps']:.1f} req/s"
+            + (", its profile audit fired" if warm_up["audit_fired"] else ""),
+            flush=True,
+        )
         for round_no in range(rounds):
             order = round_order(configs, round_no)
             for config in order:
@@ -438,9 +451,7 @@ def budget_sweep(budgets: list[int], rounds: int, seconds: float, connections: i
                 # stored profile says (`ProfileAudit`): that run's device time went to profiling.
                 profiles_after = asyncio.run(read_profiles_of(up.nats_url, up.nats_auth))
                 reprofiled = profiles_after != profiles_before
-                # The audit's warning: a profile started, whether or not it finished before
-                # the worker stopped (an unfinished one is abandoned and stores nothing).
-                audit_fired = "profiling again" in log_path.read_text()
+                fired = audit_fired(log_path)
                 measurements[config].append(
                     {
                         "round": round_no + 1,
@@ -451,7 +462,7 @@ def budget_sweep(budgets: list[int], rounds: int, seconds: float, connections: i
                         "busy": round(figures.busy_mean, 3),
                         "batch_wait_s": round(figures.batch_wait_s, 3),
                         "reprofiled": reprofiled,
-                        "audit_fired": audit_fired,
+                        "audit_fired": fired,
                     }
                 )
                 print(
@@ -461,13 +472,14 @@ def budget_sweep(budgets: list[int], rounds: int, seconds: float, connections: i
                     f"{cores.get('worker', 0):.2f}, busy {figures.busy_mean:.2f}, "
                     f"waited {figures.batch_wait_s:.2f} s, wrk cpu {load.client_cpu_s:.1f} s"
                     + (", profiled again" if reprofiled else "")
-                    + (", its profile audit fired" if audit_fired else ""),
+                    + (", its profile audit fired" if fired else ""),
                     flush=True,
                 )
     return {
         "budgets": budgets,
         "profiled_budget": chosen,
-        "warm_up_rps": warm_up_rps,
+        "warm_up": warm_up,
+        "worker_logs": str(logs),
         "shoal_models": views,
         "profiles": profiles,
         "first_start_with_profiling_s": first_start_s,

@@ -176,8 +176,9 @@ def test_a_worker_stopped_while_it_profiles_again_abandons_the_profile(
     nats_server, launcher, gateway_url
 ):
     model = "sim-audit-stopped"
-    # 40 ms batches: the sweep of sizes takes several seconds, long enough to stop inside.
-    sim = ["--runtime", "sim", "--option", "batch_ms=40", "--option", "token_us=0"]
+    # 120 ms batches: the sweep of sizes (9 sizes, 3 passes, 2 runs each) takes ~6.5 s of the
+    # executor, ~13 s with service's batches between: far longer than the stop takes.
+    sim = ["--runtime", "sim", "--option", "batch_ms=120", "--option", "token_us=0"]
     first = launcher.worker(nats_server.url, model, *sim)
     ((key, good),) = _profiles(nats_server.url, model).items()
     first.stop()
@@ -197,6 +198,8 @@ def test_a_worker_stopped_while_it_profiles_again_abandons_the_profile(
             client.post(f"{gateway_url}/v1/embeddings", json=body)
     assert "profiling again" in worker.log()
 
+    # Still profiling when stopped: the new budget (256) is not in yet.
+    assert worker_status(nats_server.url, worker.pid, WorkerState.READY).max_batch_items == 4
     assert worker.stop() == 0
     log = worker.log()
     assert "profiling again abandoned" in log, log[-2000:]

@@ -217,7 +217,9 @@ class ModelServer:
     def _reprofile_soon(self) -> None:
         """The stored profile was contradicted in service: profile again, once, meanwhile
         serving on (the profile's timings queue in the executor between two batches)."""
-        if self._reprofiling is None:
+        # Not while stopping: the drain's last batches still feed the audit, and a profile
+        # started then would run on into the runtime's close.
+        if self._reprofiling is None and not self._stopping.is_set():
             self._reprofiling = asyncio.get_running_loop().create_task(self._reprofile())
 
     async def _reprofile(self) -> None:
@@ -253,14 +255,17 @@ class ModelServer:
     async def _abandon_reprofile(self) -> None:
         """End a profile in progress: its timings would queue ahead of the batches the drain
         finishes, and the runtime closes under it (it failed with the runtime's attribute
-        gone). The stored profile stays as it was; the next worker's audit may start again."""
+        gone). A timing already running finishes first (the executor runs one job at a time,
+        the close queues behind it). Unless the cancel lands during the store itself, the
+        stored profile stays as it was, and the next worker's audit may start again."""
         task = self._reprofiling
         if task is None or task.done():
             return
         log.warning("%s: profiling again abandoned: the worker is stopping", self.spec.name)
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        # asyncio.wait, not awaiting the task: the task's CancelledError stays in it, while a
+        # cancel of the drain itself still reaches the drain.
+        await asyncio.wait({task})
 
     async def drain(self) -> None:
         """Stop pulling, hand back (nak) the messages not started, finish and ack the rest,
