@@ -124,17 +124,23 @@ def _timed_on_a_busy_machine(good: BatchProfile) -> BatchProfile:
     )
 
 
+def _busy_profile_stored(nats_url: str, launcher, model: str, sim: list[str]):
+    """Profile `model` with a first worker, then store in its place the same profile as a
+    busy machine would have timed it; the key and the good profile."""
+    first = launcher.worker(nats_url, model, *sim)
+    ((key, good),) = _profiles(nats_url, model).items()
+    first.stop()
+    _store(nats_url, key, _timed_on_a_busy_machine(good))
+    return key, good
+
+
 def test_a_worker_profiles_again_when_service_contradicts_a_busy_profile(
     nats_server, launcher, gateway_url
 ):
     model = "sim-audited"
     sim = ["--runtime", "sim", "--option", "batch_ms=20", "--option", "token_us=0"]
-    first = launcher.worker(nats_server.url, model, *sim)
-    ((key, good),) = _profiles(nats_server.url, model).items()
+    key, good = _busy_profile_stored(nats_server.url, launcher, model, sim)
     assert good.max_batch_items == 256
-    first.stop()
-
-    _store(nats_server.url, key, _timed_on_a_busy_machine(good))
 
     worker = launcher.worker(nats_server.url, model, *sim)
     assert worker_status(nats_server.url, worker.pid, WorkerState.READY).max_batch_items == 4
@@ -179,10 +185,7 @@ def test_a_worker_stopped_while_it_profiles_again_abandons_the_profile(
     # 120 ms batches: the sweep of sizes (9 sizes, 3 passes, 2 runs each) takes ~6.5 s of the
     # executor, ~13 s with service's batches between: far longer than the stop takes.
     sim = ["--runtime", "sim", "--option", "batch_ms=120", "--option", "token_us=0"]
-    first = launcher.worker(nats_server.url, model, *sim)
-    ((key, good),) = _profiles(nats_server.url, model).items()
-    first.stop()
-    _store(nats_server.url, key, _timed_on_a_busy_machine(good))
+    key, _ = _busy_profile_stored(nats_server.url, launcher, model, sim)
 
     worker = launcher.worker(nats_server.url, model, *sim)
     body = {"model": model, "input": "x"}
