@@ -130,6 +130,17 @@ def wait_until(check: Callable[[], object], timeout: float, process: ShoalProces
     raise AssertionError(f"condition not met within {timeout} s{detail}")
 
 
+async def wait_until_async(check: Callable[[], bool], timeout: float) -> float:
+    """Seconds until `check()` holds, polled on the running event loop; fails after
+    `timeout`."""
+    began = time.monotonic()
+    while not check():
+        if time.monotonic() - began > timeout:
+            raise AssertionError(f"not within {timeout} s")
+        await asyncio.sleep(0.005)
+    return time.monotonic() - began
+
+
 def cluster_admin_auth(state_dir: Path) -> NatsAuth:
     """The admin credentials of the `shoal up` (or `shoal nats`) whose state is `state_dir`."""
     return ClusterCredentials(state_dir / "nats-auth").auth(ADMIN)

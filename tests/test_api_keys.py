@@ -23,6 +23,7 @@ from typing import TypeVar
 import httpx
 import pytest
 from conftest import TEST_ENV, Launcher, wait_until
+from conftest import wait_until_async as until
 
 from shoal.api.errors import ApiError
 from shoal.broker.connection import connect
@@ -81,16 +82,6 @@ def refused(auth: ApiKeyAuth, headers: list[tuple[bytes, bytes]], model: str) ->
     with pytest.raises(ApiError) as caught:
         auth.check(headers, model)
     return caught.value
-
-
-async def until(check: Callable[[], bool], timeout: float) -> float:
-    """Seconds until `check()` holds; fails after `timeout`."""
-    began = time.monotonic()
-    while not check():
-        if time.monotonic() - began > timeout:
-            raise AssertionError(f"not within {timeout} s")
-        await asyncio.sleep(0.005)
-    return time.monotonic() - began
 
 
 # -- the bucket --------------------------------------------------------------------------

@@ -9,6 +9,7 @@ worker, as a crashing kernel would). The test restarts the worker each time it d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 import pytest
-from conftest import Launcher, ShoalProcess, scheduler_context, wait_until
+from conftest import Launcher, ShoalProcess, scheduler_context, wait_until, wait_until_async
 
 from shoal.broker.connection import connect
 from shoal.broker.dlq import DLQ_STREAM, ensure_dlq_stream, list_dead_letters
@@ -351,34 +352,68 @@ def test_a_known_culprit_waits_for_suspects_still_being_looked_up(nats_server) -
     comes in while another suspect message's attempt record is still being read runs after
     that message's request, not before it. Run first, a real culprit took the other down
     with the worker once more; with `max_deliver` reached, it was dead-lettered unanswered."""
-    asyncio.run(_culprit_after_a_late_suspect(nats_server.url))
+    innocent = _suspect("innocent", culprit=False)
+    asyncio.run(_culprit_after_a_late_arrival(nats_server.url, innocent))
 
 
-async def _culprit_after_a_late_suspect(url: str) -> None:
+def test_a_known_culprit_waits_for_the_open_pull_and_runs_after_what_it_brings(
+    nats_server,
+) -> None:
+    """An item on its first delivery that the worker's open pull request brings in after the
+    culprit runs before it too: whatever a worker holds when the culprit crashes it is
+    delivered once more, and an innocent message on its last delivery is dead-lettered."""
+    innocent = _suspect("innocent", culprit=False)
+    innocent.deliveries = 1
+    asyncio.run(_culprit_after_a_late_arrival(nats_server.url, innocent))
+
+
+async def _culprit_after_a_late_arrival(url: str, innocent: WorkItem) -> None:
+    async with _culprit_scheduler(url, batch_ms=1) as (scheduler, answered):
+        scheduler.arrivals_expected(+1)  # a record being read, or a pull request open
+        scheduler.accept(_suspect("culprit", culprit=True))
+        await asyncio.sleep(0.3)  # a slow record read, or a pull that brings one late
+        scheduler.accept(innocent)
+        scheduler.arrivals_expected(-1)
+        await wait_until_async(lambda: len(answered) == 2, 5)
+        assert answered == ["innocent", "culprit"]
+
+
+def test_a_worker_holding_a_known_culprit_pulls_nothing_until_it_has_run(nats_server) -> None:
+    """Quarantine: from the culprit's arrival to its answer the fill loop is told to wait
+    (`pull_after_s` > 0), so nothing new is held if the culprit crashes the worker; once it
+    has returned, the worker pulls again at once."""
+
+    async def run() -> None:
+        async with _culprit_scheduler(nats_server.url, batch_ms=400) as (scheduler, answered):
+            assert scheduler.pull_after_s() == 0.0
+            scheduler.accept(_suspect("culprit", culprit=True))
+            assert scheduler.pull_after_s() > 0  # held, not yet running
+            await asyncio.sleep(0.2)
+            assert scheduler.held() and scheduler.pull_after_s() > 0  # running
+            await wait_until_async(lambda: answered == ["culprit"], 5)
+            await wait_until_async(lambda: scheduler.pull_after_s() == 0.0, 5)
+
+    asyncio.run(run())
+
+
+@contextlib.asynccontextmanager
+async def _culprit_scheduler(url: str, batch_ms: int):
+    """A running batch scheduler on the simulated runtime, and the request ids it answered."""
     nc = await connect(url, name="culprit-order")
-    reply_to = "test.culprit-order.replies"
     answered: list[str] = []
 
     async def on_reply(msg) -> None:
         answered.extend(result.request_id for result in decode_results(msg.data).results)
 
-    await nc.subscribe(reply_to, cb=on_reply)
-    ctx = scheduler_context(nc, WorkerSettings(nats_url=url), "sim-culprit")
-    runtime = SimEmbeddingRuntime("sim-culprit", {"batch_ms": 1})
+    await nc.subscribe(_CULPRIT_REPLIES, cb=on_reply)
+    ctx = scheduler_context(nc, WorkerSettings(nats_url=url, max_batch_items=64), "sim-culprit")
+    runtime = SimEmbeddingRuntime("sim-culprit", {"batch_ms": batch_ms})
     scheduler = BatchScheduler(
         ctx, batch_handler(resolve_model("sim-embed"), runtime), Task.EMBEDDINGS
     )
     running = asyncio.create_task(scheduler.run())
     try:
-        scheduler.suspects_arriving(+1)  # an innocent suspect's record is being read
-        scheduler.accept(_suspect(reply_to, "culprit", culprit=True))
-        await asyncio.sleep(0.3)  # a slow record read
-        scheduler.accept(_suspect(reply_to, "innocent", culprit=False))
-        scheduler.suspects_arriving(-1)
-        deadline = time.monotonic() + 5
-        while len(answered) < 2 and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        assert answered == ["innocent", "culprit"]
+        yield scheduler, answered
     finally:
         scheduler.stop_accepting()
         await asyncio.wait_for(running, 5)
@@ -386,10 +421,15 @@ async def _culprit_after_a_late_suspect(url: str) -> None:
         await nc.close()
 
 
-def _suspect(reply_to: str, request_id: str, culprit: bool) -> WorkItem:
+_CULPRIT_REPLIES = "test.culprit-order.replies"
+
+
+def _suspect(request_id: str, culprit: bool) -> WorkItem:
     sent = now_ms()
     body = b'{"model": "sim-culprit", "input": "%s"}' % request_id.encode()
-    item = WorkItem(None, request_id, reply_to, sent + 60_000, sent, 1, Endpoint.EMBEDDINGS, body)
+    item = WorkItem(
+        None, request_id, _CULPRIT_REPLIES, sent + 60_000, sent, 1, Endpoint.EMBEDDINGS, body
+    )
     item.deliveries = MAX_DELIVER
     item.culprit = culprit
     return item

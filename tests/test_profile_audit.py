@@ -15,6 +15,7 @@ from shoal.broker.connection import connect
 from shoal.runtimes.sim import SimEmbeddingRuntime
 from shoal.state.profiles import (
     BatchProfile,
+    claim_reprofile,
     decode_batch_profile,
     ensure_profiles_kv,
     store_profile,
@@ -178,6 +179,22 @@ def test_a_worker_profiles_again_when_service_contradicts_a_busy_profile(
     assert "profiling again" in worker.log()
 
 
+def _load_until_logged(gateway_url: str, model: str, worker, line: str) -> None:
+    """Enough requests for the audit's window, then more until `line` is in the log."""
+    body = {"model": model, "input": "x"}
+    with httpx.Client(timeout=30) as client, ThreadPoolExecutor(16) as pool:
+        list(
+            pool.map(
+                lambda _: client.post(f"{gateway_url}/v1/embeddings", json=body),
+                range(2 * AUDIT_BATCHES),
+            )
+        )
+        deadline = time.monotonic() + 30
+        while line not in worker.log() and time.monotonic() < deadline:
+            client.post(f"{gateway_url}/v1/embeddings", json=body)
+    assert line in worker.log(), worker.log()[-2000:]
+
+
 def test_a_worker_stopped_while_it_profiles_again_abandons_the_profile(
     nats_server, launcher, gateway_url
 ):
@@ -188,18 +205,7 @@ def test_a_worker_stopped_while_it_profiles_again_abandons_the_profile(
     key, _ = _busy_profile_stored(nats_server.url, launcher, model, sim)
 
     worker = launcher.worker(nats_server.url, model, *sim)
-    body = {"model": model, "input": "x"}
-    with httpx.Client(timeout=30) as client, ThreadPoolExecutor(16) as pool:
-        list(
-            pool.map(
-                lambda _: client.post(f"{gateway_url}/v1/embeddings", json=body),
-                range(2 * AUDIT_BATCHES),
-            )
-        )
-        deadline = time.monotonic() + 30
-        while "profiling again" not in worker.log() and time.monotonic() < deadline:
-            client.post(f"{gateway_url}/v1/embeddings", json=body)
-    assert "profiling again" in worker.log()
+    _load_until_logged(gateway_url, model, worker, "; profiling again")
 
     # Still profiling when stopped: the new budget (256) is not in yet.
     assert worker_status(nats_server.url, worker.pid, WorkerState.READY).max_batch_items == 4
@@ -207,5 +213,33 @@ def test_a_worker_stopped_while_it_profiles_again_abandons_the_profile(
     log = worker.log()
     assert "profiling again abandoned" in log, log[-2000:]
     assert "profiling again failed" not in log, log[-2000:]
-    # Nothing half-measured was stored: the busy profile stays for the next worker's audit.
+    # Nothing half-measured was stored: the busy profile stays.
     assert _profiles(nats_server.url, model)[key].profiled_by == "a busy machine"
+
+    # The next worker's audit finds the same contradiction, but the stopped worker's claim
+    # stands (REPROFILE_EVERY_S): it serves on at its budget instead of starting the same
+    # profile again (a fleet of workers that live shorter than a re-profile never stored it).
+    after = launcher.worker(nats_server.url, model, *sim)
+    _load_until_logged(gateway_url, model, after, "not profiling again")
+    assert "; profiling again" not in after.log()
+    assert worker_status(nats_server.url, after.pid, WorkerState.READY).max_batch_items == 4
+
+
+def test_one_re_profile_claim_a_model_fleet_wide(nats_server) -> None:
+    """The first claim wins; a second, from any worker, is refused while it stands; another
+    model's (or hardware's) key is its own."""
+
+    async def claims() -> list[bool]:
+        nc = await connect(nats_server.url, name="test")
+        try:
+            js = nc.jetstream()
+            return [
+                await claim_reprofile(js, "m.sim.aaaa", "worker-1"),
+                await claim_reprofile(js, "m.sim.aaaa", "worker-2"),
+                await claim_reprofile(js, "m.sim.aaaa", "worker-1"),
+                await claim_reprofile(js, "m.sim.bbbb", "worker-2"),
+            ]
+        finally:
+            await nc.close()
+
+    assert asyncio.run(claims()) == [True, False, False, True]

@@ -76,6 +76,16 @@ def test_take_batch_runs_an_oversized_item_alone():
     assert [i.cost for i in pending] == [1]
 
 
+def test_take_batch_runs_a_known_culprit_after_everything_else_held():
+    culprit, suspect, fresh = _item(1), _item(2), _item(3)
+    culprit.deliveries, culprit.culprit = 4, True
+    suspect.deliveries = 4
+    pending = deque([culprit, fresh, suspect])
+    batches = [take_batch(pending, max_items=10, max_tokens=100) for _ in range(3)]
+    # The first-delivery item too: anything held when the culprit crashes is redelivered.
+    assert [[i.cost for i in batch] for batch in batches] == [[3], [2], [1]]
+
+
 def test_busy_meter_measures_the_share_of_the_window():
     now = [100.0]
     meter = BusyMeter(window_s=10, clock=lambda: now[0])

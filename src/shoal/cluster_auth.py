@@ -51,7 +51,7 @@ from shoal.state.attempts import ATTEMPTS_BUCKET
 from shoal.state.deployments import MODELS_BUCKET
 from shoal.state.idempotency import IDEMPOTENCY_BUCKET
 from shoal.state.keys import KEYS_BUCKET
-from shoal.state.profiles import PROFILES_BUCKET
+from shoal.state.profiles import PROFILES_BUCKET, REPROFILES_BUCKET
 from shoal.state.workers import WORKERS_BUCKET
 
 ADMIN = "admin"
@@ -112,6 +112,7 @@ def role_permissions(role: str) -> Permissions | None:
             + kv_read(MODELS_BUCKET)
             + kv_write(WORKERS_BUCKET)
             + kv_write(PROFILES_BUCKET)
+            + kv_write(REPROFILES_BUCKET)
             + kv_write(ATTEMPTS_BUCKET)
             # Answers kept for Idempotency-Key retries; large bodies, read then deleted.
             + kv_write(IDEMPOTENCY_BUCKET)

@@ -3,6 +3,13 @@
 Bucket `shoal_profiles`, key `<model token>.<runtime token>.<digest of source, options,
 hardware>`, value a `BatchProfile` (JSON). An empty value is a claim: the worker that created
 it is profiling now, the others wait for its result (worker/profiling.py).
+
+Bucket `shoal_reprofiles`, same keys, entries expiring after `REPROFILE_EVERY_S`: a claim to
+profile a model again because service contradicted its stored profile. While one stands, no
+other worker of the fleet profiles that model again, whether the claimant is still at it,
+stored its profile, or was stopped first: a re-profile costs seconds of the executor under
+traffic, and every worker of a fleet timed on a busy machine would otherwise start one at
+once, and workers that live shorter than a re-profile would start it again and again.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from shoal.protocol import ModelSpec, encode_json, name_token
 from shoal.state.kv import ensure_bucket, read_all, read_value
 
 PROFILES_BUCKET = "shoal_profiles"
+REPROFILES_BUCKET = "shoal_reprofiles"
+REPROFILE_EVERY_S = 600.0  # at most one re-profile a model (and hardware) this often
 
 
 class BatchProfile(msgspec.Struct, kw_only=True):
@@ -57,6 +66,17 @@ async def claim_profile(kv: KeyValue, key: str) -> bool:
     """True when the caller is the one to profile (it created the key)."""
     try:
         await kv.create(key, b"")
+    except nats.js.errors.KeyWrongLastSequenceError:
+        return False
+    return True
+
+
+async def claim_reprofile(js: JetStreamContext, key: str, worker_id: str) -> bool:
+    """True when the caller is the one to profile `key` again: no worker of the fleet has
+    claimed that within `REPROFILE_EVERY_S`."""
+    kv = await ensure_bucket(js, REPROFILES_BUCKET, ttl_s=REPROFILE_EVERY_S)
+    try:
+        await kv.create(key, worker_id.encode())
     except nats.js.errors.KeyWrongLastSequenceError:
         return False
     return True

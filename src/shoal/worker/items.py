@@ -146,7 +146,7 @@ def take_batch(pending: deque[WorkItem], max_items: int, max_tokens: int) -> lis
     Redelivered items (their worker died or hung holding them) never share a batch with
     others, so a request that crashes the runtime takes as few others down with it as can
     be: on its second delivery a message's requests run as a batch of their own, from the
-    third on each runs alone, and a known culprit only once no other redelivered item waits.
+    third on each runs alone, and a known culprit only once no other item waits.
     """
     if pending and pending[0].deliveries > 1:
         return _take_redelivered(pending, max_items, max_tokens)
@@ -165,8 +165,9 @@ def take_batch(pending: deque[WorkItem], max_items: int, max_tokens: int) -> lis
 
 def _take_redelivered(pending: deque[WorkItem], max_items: int, max_tokens: int) -> list[WorkItem]:
     """The batch for the redelivered item at the front of `pending` (see `take_batch`)."""
-    if pending[0].culprit and any(item.deliveries > 1 and not item.culprit for item in pending):
-        # Move culprits behind the other redelivered items, keeping everyone else's order.
+    if pending[0].culprit and not all(item.culprit for item in pending):
+        # Move culprits behind everyone else, keeping everyone else's order: whatever is
+        # held when a culprit crashes the worker again is delivered once more.
         kept = [item for item in pending if not item.culprit]
         culprits = [item for item in pending if item.culprit]
         pending.clear()

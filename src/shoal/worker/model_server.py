@@ -223,11 +223,6 @@ class ModelServer:
             self._reprofiling = asyncio.get_running_loop().create_task(self._reprofile())
 
     async def _reprofile(self) -> None:
-        log.warning(
-            "%s: batches run much faster than the stored profile says (it was timed on a "
-            "busier machine); profiling again",
-            self.spec.name,
-        )
         try:
             budget = await reprofile(
                 self.nc.jetstream(),
@@ -240,6 +235,8 @@ class ModelServer:
             )
         except Exception as err:  # the old budget still serves
             log.warning("%s: profiling again failed: %s", self.spec.name, err)
+            return
+        if budget is None:  # another worker's claim stands: the budget stays
             return
         log.info(
             "%s: batch budget %d -> %d items",
@@ -360,6 +357,7 @@ class ModelServer:
         message = WorkMessage(msg, size, deliveries, stream_seq)
         self._recent_messages.observe(size)
         if any(request.body_key for request in envelope.requests):
+            self._scheduler.arrivals_expected(+1)
             self._background(self._accept_stored(message, envelope, adapter))
             return
         self._accept_envelope(message, envelope, adapter)
@@ -370,7 +368,7 @@ class ModelServer:
         assert self._scheduler is not None
         if message.deliveries >= RUN_ALONE_FROM_DELIVERY and self.spec.task is not Task.GENERATE:
             # Suspect: its requests run alone, a known culprit last (worker/poison.py).
-            self._scheduler.suspects_arriving(+1)
+            self._scheduler.arrivals_expected(+1)
             self._background(self._accept_suspect(message, envelope, adapter))
             return
         accept = self._scheduler.accept
@@ -385,6 +383,15 @@ class ModelServer:
         A body that is gone (expired, or deleted after an earlier delivery was answered) is
         answered with a 503 at once; a NATS error hands the whole message back for later.
         """
+        assert self._scheduler is not None
+        try:
+            await self._accept_read_bodies(message, envelope, adapter)
+        finally:
+            self._scheduler.arrivals_expected(-1)
+
+    async def _accept_read_bodies(
+        self, message: WorkMessage, envelope: WorkEnvelope, adapter: str | None
+    ) -> None:
         assert self._ctx is not None
         outbox = self._ctx.outbox
         bodies: dict[str, bytes | None] = {}
@@ -427,7 +434,7 @@ class ModelServer:
                 self._recorder.expect(item)
                 self._scheduler.accept(item)
         finally:
-            self._scheduler.suspects_arriving(-1)
+            self._scheduler.arrivals_expected(-1)
 
     def _background(self, work) -> None:
         task = asyncio.ensure_future(work)
@@ -454,11 +461,14 @@ class ModelServer:
                     await asyncio.wait_for(room_changed.wait(), wait_s)
                 continue
             messages = recent.messages_for_room(room)
+            self._scheduler.arrivals_expected(+1)
             try:
                 await puller.pull(messages, self.settings.poll_s)
             except Exception as err:  # a reconnect in progress: try again shortly
                 log.warning("pull failed: %s", err)
                 await asyncio.sleep(0.2)
+            finally:
+                self._scheduler.arrivals_expected(-1)
 
     async def _keep_alive(self) -> None:
         """In-progress acks for everything held, so JetStream does not redeliver running work."""

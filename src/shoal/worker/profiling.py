@@ -58,8 +58,10 @@ from shoal.runtimes.base import (
 )
 from shoal.runtimes.registry import runtime_record
 from shoal.state.profiles import (
+    REPROFILE_EVERY_S,
     BatchProfile,
     claim_profile,
+    claim_reprofile,
     ensure_profiles_kv,
     profile_key,
     read_profile,
@@ -409,10 +411,24 @@ async def reprofile(
     worker_id: str,
     max_batch_tokens: int,
     targets: LatencyTargets,
-) -> BatchBudget:
-    """Profile again (the stored profile was contradicted in service) and replace it."""
+) -> BatchBudget | None:
+    """Profile again (the stored profile was contradicted in service) and replace it; None
+    when another worker of the fleet claimed that lately (state/profiles.py)."""
     kv = await ensure_profiles_kv(js)
     key = profile_key(spec, hardware_fingerprint())
+    if not await claim_reprofile(js, key, worker_id):
+        log.warning(
+            "%s: batches run much faster than the stored profile says, but not profiling "
+            "again: another worker claimed that within the last %.0f s; the budget stays",
+            spec.name,
+            REPROFILE_EVERY_S,
+        )
+        return None
+    log.warning(
+        "%s: batches run much faster than the stored profile says (it was timed on a "
+        "busier machine); profiling again",
+        spec.name,
+    )
     return await measure_and_store(
         kv, key, spec, runtime, executor, worker_id, max_batch_tokens, targets
     )

@@ -91,9 +91,10 @@ class Scheduler(Protocol):
         """The client went away: stop work on that request if held, or skip it later."""
         ...
 
-    def suspects_arriving(self, change: int) -> None:
-        """`change` (+1, -1) suspect messages being looked up (their attempt records read)
-        before their items are accepted: a known culprit waits for them (worker/poison.py)."""
+    def arrivals_expected(self, change: int) -> None:
+        """`change` (+1, -1) sources of items still to come: an open pull request, or a
+        message being read before its items are accepted (a suspect's attempt record, a
+        stored body). A known culprit waits for them to end (worker/poison.py)."""
         ...
 
     def stop_accepting(self) -> None:
@@ -121,15 +122,21 @@ class SchedulerBase:
         self._arrived = asyncio.Event()
         self._accepting = True
         self._cancelled: dict[str, float] = {}  # request id -> when its cancel arrived
-        self._suspects_arriving = 0
+        self._arrivals_expected = 0
+        # Known culprits pending or running (worker/poison.py): while there is one, the
+        # worker pulls nothing, so a crash on it takes down only what it already holds.
+        self._culprits_held = 0
 
     def accept(self, item: WorkItem) -> None:
         self._pending.append(item)
+        if item.culprit:
+            self._culprits_held += 1
         self._arrived.set()
 
-    def suspects_arriving(self, change: int) -> None:
-        self._suspects_arriving += change
-        self._arrived.set()
+    def arrivals_expected(self, change: int) -> None:
+        self._arrivals_expected += change
+        if self._culprits_held and not self._arrivals_expected:
+            self._arrived.set()  # a culprit waits for this (schedulers/batch.py)
 
     def pull_after_s(self) -> float:
         return 0.0
@@ -152,6 +159,9 @@ class SchedulerBase:
         }
         if released:  # in place: the deque is shared with whoever reads it
             kept = [i for i in self._pending if i.message is None or id(i.message) not in released]
+            self._culprits_held -= sum(item.culprit for item in self._pending) - sum(
+                item.culprit for item in kept
+            )
             self._pending.clear()
             self._pending.extend(kept)
         return list(released.values())

@@ -32,8 +32,9 @@ log = logging.getLogger(__name__)
 # pull takes on a LAN (~1 ms), so the device does not wait for the network even when the
 # curve overestimates the batch by a few ms. A batch shorter than this is pulled for at once.
 PULL_LEAD_S = 0.010
-# How long a known culprit waits for suspect messages still being looked up (an attempt
-# record read, bounded by poison.KV_TIMEOUT_S): past it, it runs.
+# How long a known culprit waits for items still to come (an open pull request, which the
+# server ends within `poll_s`; an attempt record read, bounded by poison.KV_TIMEOUT_S):
+# past it, it runs.
 CULPRIT_WAIT_S = 3.0
 
 
@@ -63,6 +64,9 @@ class BatchScheduler(SchedulerBase):
         return [*self._running, *self._pending]
 
     def pull_after_s(self) -> float:
+        if self._culprits_held:
+            # Quarantine: a known culprit runs with nothing else held (`_hold_culprit`).
+            return self._ctx.settings.poll_s
         if not self._running:
             return 0.0
         return max(0.0, self._running_until - PULL_LEAD_S - time.monotonic())
@@ -81,7 +85,8 @@ class BatchScheduler(SchedulerBase):
             fit = self._curve.fit()  # once a batch: a least-squares fit over ~70 points
             if settings.adaptive_batch_wait:
                 await self._wait_for_fuller_batch(fit)
-            await self._hold_culprit_for_suspects()
+            if self._culprits_held:
+                await self._hold_culprit()
             batch = take_batch(self._pending, settings.max_batch_items, settings.max_batch_tokens)
             self._ctx.room_changed.set()
             try:
@@ -89,19 +94,26 @@ class BatchScheduler(SchedulerBase):
             except Exception:
                 # Unacked items are redelivered after ack_wait; nothing is lost.
                 log.exception("batch of %d failed", len(batch))
+            finally:
+                if self._culprits_held and batch and batch[0].culprit:
+                    self._culprits_held -= 1  # it ran and returned: pull again
+                    self._ctx.room_changed.set()
 
-    async def _hold_culprit_for_suspects(self) -> None:
-        """A known culprit runs only after the redelivered items that may still be coming.
+    async def _hold_culprit(self) -> None:
+        """A known culprit runs alone and last: after every other item this worker holds or
+        is still receiving, and with nothing pulled while it runs (`pull_after_s`).
 
-        Suspect messages (third delivery on) are accepted once their attempt records are
-        read, so the culprit's can come in before the others of the same delivery; run then,
-        it takes them down with the worker again, until JetStream gives up on them too and
-        innocent requests are dead-lettered (the likely cause of a CI failure of
-        tests/test_dlq.py: an innocent "not answered on any of 4 deliveries"). Waiting lets
-        `take_batch` put them first.
+        Every message a worker holds when it dies is delivered once more, and at
+        `max_deliver` dead-lettered. An innocent message held beside the poison's through
+        its crashes reached its last delivery; held once more while the known culprit ran,
+        it was dead-lettered unanswered ("not answered on any of 4 deliveries": CI failures
+        of tests/test_dlq.py). With the quarantine an innocent message is never held at the
+        culprit's last crash, so it gets a delivery of its own.
+        `take_batch` puts the items held first; this waits out those still coming: the open
+        pull request, and messages being read (a suspect's attempt record, a stored body).
         """
-        deadline = 0.0  # read the clock only on the poison path, not once a batch
-        while self._suspects_arriving > 0 and self._pending and self._pending[0].culprit:
+        deadline = 0.0  # read the clock only when a culprit would run next
+        while self._arrivals_expected > 0 and all(item.culprit for item in self._pending):
             deadline = deadline or time.monotonic() + CULPRIT_WAIT_S
             if not await self._wait_for_arrival(deadline):
                 return
