@@ -21,13 +21,21 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 import pytest
-from conftest import Launcher, ShoalProcess, scheduler_context, wait_until, wait_until_async
+from conftest import (
+    Launcher,
+    ShoalProcess,
+    scheduler_context,
+    wait_until,
+    wait_until_async,
+    worker_status,
+)
+from nats.aio.msg import Msg
 
 from shoal.broker.connection import connect
 from shoal.broker.dlq import DLQ_STREAM, ensure_dlq_stream, list_dead_letters
-from shoal.broker.jetstream import read_backlog
+from shoal.broker.jetstream import ensure_model_consumer, ensure_work_stream, read_backlog
 from shoal.catalog import resolve_model
-from shoal.config import WorkerSettings
+from shoal.config import QueueSettings, WorkerSettings
 from shoal.protocol import (
     WORK_STREAM,
     Endpoint,
@@ -41,6 +49,8 @@ from shoal.protocol import (
     work_subject,
 )
 from shoal.runtimes.sim import SimEmbeddingRuntime, pseudo_embedding
+from shoal.state.attempts import Attempt, ensure_attempts_kv, mark_attempt
+from shoal.state.workers import WorkerState
 from shoal.worker.items import WorkItem
 from shoal.worker.schedulers.batch import BatchScheduler, batch_handler
 
@@ -54,7 +64,7 @@ ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 class RestartingWorker:
     """A worker that is started again whenever it dies (what `shoal up` does for a worker)."""
 
-    def __init__(self, launcher: Launcher, nats_url: str, model: str) -> None:
+    def __init__(self, launcher: Launcher, nats_url: str, model: str, *options: str) -> None:
         self._args = (
             "worker",
             "--nats",
@@ -65,6 +75,7 @@ class RestartingWorker:
             "sim",
             "--option",
             f"crash_on={MARKER}",
+            *options,
             "--max-batch-items",
             "64",
         )
@@ -433,3 +444,96 @@ def _suspect(request_id: str, culprit: bool) -> WorkItem:
     item.deliveries = MAX_DELIVER
     item.culprit = culprit
     return item
+
+
+def test_an_innocent_message_on_its_last_delivery_is_answered_beside_a_known_culprit(
+    nats_server, tmp_path
+) -> None:
+    """The state the CI failure reached, set up on purpose: the poison's message and an
+    innocent one have each been delivered three times without an answer (as when both were
+    held by every worker the poison crashed), and the attempt record names the poison. The
+    next worker gets the poison's on its last delivery, and the innocent one comes in while
+    the culprit would run (the test holds it until then; the culprit runs 1.5 s before it
+    kills the worker). Quarantined, the culprit runs with nothing else held: the innocent
+    message is answered (by this worker first, or by the next), never dead-lettered."""
+    model = f"sim-quarantine-{uuid.uuid4().hex[:6]}"
+    queue = QueueSettings(ack_wait_s=2.0, max_deliver=MAX_DELIVER)
+    reply_to = f"shoal.reply.test-{uuid.uuid4().hex[:8]}"
+    poison_id, innocent_ids = uuid.uuid4().hex, [uuid.uuid4().hex for _ in range(3)]
+    results: dict[str, Result] = {}
+
+    def envelope(ids: list[str], text: str) -> bytes:
+        deadline = now_ms() + int(TIMEOUT_S * 1000)
+        body = json.dumps({"model": model, "input": text}).encode()
+        requests = [WorkRequest(rid, "embeddings", deadline, 8, body) for rid in ids]
+        return encode_msgpack(WorkEnvelope(reply_to, now_ms(), requests))
+
+    async def burn(js) -> Msg:
+        """Both messages delivered `MAX_DELIVER - 1` times, the poison's culprit recorded;
+        the poison's handed back, the innocent one still held (its last delivery)."""
+        await ensure_work_stream(js, queue)
+        consumer = await ensure_model_consumer(js, model, queue)
+        poison = await js.publish(work_subject(model), envelope([poison_id], f"the {MARKER}"))
+        await js.publish(work_subject(model), envelope(innocent_ids, "innocent"))
+        pulled = await js.pull_subscribe_bind(consumer, WORK_STREAM)
+        for delivery in range(1, MAX_DELIVER):
+            messages = await pulled.fetch(2, timeout=5)
+            assert sorted(m.metadata.num_delivered for m in messages) == [delivery] * 2
+            if delivery < MAX_DELIVER - 1:
+                for message in messages:
+                    await message.nak()
+        attempt = Attempt(poison_id, "an earlier worker", MAX_DELIVER - 1, now_ms())
+        await mark_attempt(await ensure_attempts_kv(js), poison.seq, attempt)
+        held = {m.metadata.sequence.stream: m for m in messages}
+        await held.pop(poison.seq).nak()
+        (innocent,) = held.values()
+        return innocent
+
+    async def collect(msg) -> None:
+        for result in decode_results(msg.data).results:
+            results.setdefault(result.request_id, result)
+
+    async def run() -> RestartingWorker:
+        nc = await connect(nats_server.url, name="test-quarantine")
+        try:
+            await nc.subscribe(reply_to, cb=collect)
+            innocent = await burn(nc.jetstream())
+            launcher = Launcher(
+                tmp_path, env={"SHOAL_MAX_DELIVER": str(MAX_DELIVER), "SHOAL_ACK_WAIT": "2"}
+            )
+            worker = await asyncio.to_thread(
+                RestartingWorker,
+                launcher,
+                nats_server.url,
+                model,
+                "--option",
+                "crash_after_ms=1500",
+            )
+            try:
+                await _held_until_ready(nats_server.url, worker, innocent)
+                await asyncio.sleep(0.3)  # it pulled the poison's message: the culprit runs
+                await innocent.nak()
+                everyone = [poison_id, *innocent_ids]
+                await wait_until_async(lambda: all(r in results for r in everyone), TIMEOUT_S)
+            finally:
+                await asyncio.to_thread(worker.stop)
+                launcher.stop_all()
+            return worker
+        finally:
+            await nc.close()
+
+    worker = asyncio.run(run())
+    for rid in innocent_ids:
+        assert results[rid].status == 200, results[rid].body
+        vector = json.loads(results[rid].body)["data"][0]["embedding"]
+        np.testing.assert_allclose(vector, pseudo_embedding("innocent", 384), atol=1e-6)
+    assert results[poison_id].status == 502 and b"dead_lettered" in results[poison_id].body
+    assert len(worker.deaths) == 1  # the culprit's one, last, run
+
+
+async def _held_until_ready(nats_url: str, worker: RestartingWorker, held: Msg) -> None:
+    """Until the worker reports itself ready, `held` kept from redelivery (in-progress acks)."""
+    pid = worker.current.pid
+    while await asyncio.to_thread(worker_status, nats_url, pid, WorkerState.READY) is None:
+        await held.in_progress()
+        await asyncio.sleep(0.2)

@@ -99,6 +99,8 @@ class SimEmbeddingRuntime:
         # Fault injection: a text containing this marker kills the process (SIGKILL, as the
         # kernel's OOM killer or a segfaulting kernel would), for dead-letter tests.
         self.crash_on = str(options.get("crash_on", "")).encode()
+        # ... after running that long first (a kernel that works a while before it dies).
+        self.crash_after_s = float(options.get("crash_after_ms", 0)) / 1000
         self._pool = vector_pool(self.dimensions)  # drawn at load, not in the first batch
 
     def batch_cost_seconds(self, token_counts: list[int]) -> float:
@@ -110,6 +112,7 @@ class SimEmbeddingRuntime:
         started = time.perf_counter()
         encoded = [t.encode() for t in texts]
         if self.crash_on and any(self.crash_on in e for e in encoded):
+            time.sleep(self.crash_after_s)
             os.kill(os.getpid(), signal.SIGKILL)
         token_counts = [-(-len(e) // 4) + 2 for e in encoded]  # simulated_token_count
         slots = np.fromiter(map(_slot, encoded), dtype=np.intp, count=len(encoded))
