@@ -7,8 +7,9 @@ Three parts, all off the normal path (they act only on redelivered messages):
 - **Attempt records** (`AttemptRecorder`, state/attempts.py): before a request of a message
   on its third delivery or later runs alone, the worker records it under the message's work
   sequence, and deletes the record when the runtime returns. A record still there when the
-  message comes back names the culprit: the next worker runs it after the other redelivered
-  requests, so those are answered before it can take them down again.
+  message comes back names the culprit: the next worker quarantines it (schedulers/batch.py):
+  it pulls nothing more, runs everything else it holds first, then the culprit alone, so
+  nothing else is held when it takes the worker down again.
 - **Dead letters** (`DeadLetterer`, broker/dlq.py): when JetStream gives up on a message
   (`max_deliver` deliveries, none acked) it says so in an advisory; one worker of the model
   (a queue group) moves the message into `SHOAL_DLQ`, with the attempt record as its last
