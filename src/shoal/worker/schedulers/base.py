@@ -159,8 +159,9 @@ class SchedulerBase:
         }
         if released:  # in place: the deque is shared with whoever reads it
             kept = [i for i in self._pending if i.message is None or id(i.message) not in released]
-            self._culprits_held -= sum(item.culprit for item in self._pending) - sum(
-                item.culprit for item in kept
+            # A culprit may be running (not pending): count off only the released ones.
+            self._culprits_held -= sum(i.culprit for i in self._pending) - sum(
+                i.culprit for i in kept
             )
             self._pending.clear()
             self._pending.extend(kept)
