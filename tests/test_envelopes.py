@@ -11,11 +11,12 @@ import signal
 import time
 
 import httpx
+import nats.js.errors
 from conftest import wait_until, worker_status
 from test_fleet import _assert_all_correct, _send_all
 
 from shoal.broker.connection import connect
-from shoal.protocol import WORK_STREAM
+from shoal.protocol import WORK_STREAM, consumer_name, decode_envelope
 
 
 def _stored_messages(nats_url: str) -> int:
@@ -27,6 +28,35 @@ def _stored_messages(nats_url: str) -> int:
             await nc.close()
 
     return asyncio.run(read())
+
+
+async def _wait_until_pulled(nats_url: str, model: str, after_seq: int, marker: bytes, count: int):
+    """Waits until `count` requests whose bodies hold `marker` are stored in work messages
+    after `after_seq` and the model's workers have pulled every one of those messages."""
+    nc = await connect(nats_url, name="test")
+    js = nc.jetstream()
+    seen: dict[int, int] = {}  # message sequence -> marked requests in it
+    try:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            last_seq = (await js.stream_info(WORK_STREAM)).state.last_seq
+            for seq in range(after_seq + 1, last_seq + 1):
+                if seq in seen:
+                    continue
+                try:
+                    envelope = decode_envelope((await js.get_msg(WORK_STREAM, seq)).data)
+                except nats.js.errors.NotFoundError:
+                    continue  # acked already (someone else's) or not readable: not ours to count
+                seen[seq] = sum(marker in request.body for request in envelope.requests)
+            marked = [seq for seq, n in seen.items() if n]
+            if sum(seen.values()) >= count:
+                delivered = (await js.consumer_info(WORK_STREAM, consumer_name(model))).delivered
+                if delivered.stream_seq >= max(marked):
+                    return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"{count} requests marked {marker!r} not pulled in 15 s: {seen}")
+    finally:
+        await nc.close()
 
 
 def test_concurrent_requests_share_messages_and_get_their_own_answers(
@@ -98,6 +128,7 @@ def test_a_gateway_killed_while_its_batch_runs_harms_no_other(
         "64",
     )
     doomed, doomed_url = launcher.gateway(nats_server.url)
+    before = _stored_messages(nats_server.url)
     texts_doomed = [f"doomed {i}" for i in range(16)]
     texts_live = [f"live {i}" for i in range(16)]
 
@@ -110,7 +141,9 @@ def test_a_gateway_killed_while_its_batch_runs_harms_no_other(
 
         doomed_task = asyncio.create_task(doomed_requests())
         live_task = asyncio.create_task(_send_all(gateway_url, model, texts_live, concurrency=16))
-        await asyncio.sleep(0.2)  # both gateways' requests are in the running batch
+        # Killed only once the worker holds every one of its requests (a fixed sleep was too
+        # short on a busy 2-core CI machine: none had been published yet).
+        await _wait_until_pulled(nats_server.url, model, before, b"doomed", len(texts_doomed))
         doomed.process.send_signal(signal.SIGKILL)
         return await live_task, await doomed_task
 
