@@ -30,7 +30,9 @@ def _stored_messages(nats_url: str) -> int:
     return asyncio.run(read())
 
 
-async def _wait_until_pulled(nats_url: str, model: str, after_seq: int, marker: bytes, count: int):
+async def _wait_until_pulled(
+    nats_url: str, model: str, after_seq: int, marker: bytes, count: int
+) -> None:
     """Waits until `count` requests whose bodies hold `marker` are stored in work messages
     after `after_seq` and the model's workers have pulled every one of those messages."""
     nc = await connect(nats_url, name="test")
